@@ -1,0 +1,241 @@
+"""The backward block: ``with loss.backward(...):`` and ``distgrad.BackwardTracer``.
+
+``install()`` wraps ``torch.Tensor.backward`` so that a call written as the subject of a ``with``
+statement returns a ``BackwardTracer`` instead of running at once; any other call runs the real
+backward unchanged, inside a trace or not. Inside the block the real backward runs as a coroutine
+of the body (``run.py``): ``t.grad`` stops it where the gradient of ``t`` is computed, and what the
+body puts there flows on upstream.
+"""
+from __future__ import annotations
+
+import dis
+import sys
+import types
+from typing import Any, Callable
+
+import greenlet
+import torch
+
+from . import gradpatch
+from .errors import OutOfOrderError, TraceStateError
+from .session import BODIES, Body, Session, current_body
+
+config = types.SimpleNamespace(backward_mode="auto")
+"""``backward_mode``: ``"auto"`` (greenlet for a CPU backward, a worker thread when CUDA is in use),
+``"greenlet"`` or ``"thread"``."""
+
+
+class BackwardTracer:
+    """Read and edit gradients inside ``with loss.backward():``.
+
+    Opened by ``with tensor.backward(*args, **kwargs):``, inside a trace or not. In the block,
+    ``t.grad`` is the gradient flowing into ``t`` (request them in reverse-forward order),
+    ``t.grad = g`` replaces it for everything upstream, ``t.grad[:] = 0`` edits it in place, and
+    ``.save()`` keeps a value for after the block.
+
+    Args:
+        tensor: the tensor whose ``.backward(...)`` was invoked.
+        fn: the real, unpatched ``Tensor.backward`` to run.
+        *args: passed to ``fn`` (e.g. ``gradient``).
+        backend: the engine that runs the backward (a ``distgrad.engines.Engine``); by default the
+            trace's engine, or plain ``fn`` outside a trace.
+        **kwargs: passed to ``fn`` (e.g. ``retain_graph=True``).
+    """
+
+    def __init__(self, tensor: torch.Tensor, fn: Callable, *args: Any, backend: Any = None,
+                 **kwargs: Any):
+        self.tensor = tensor
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.backend = backend
+        self.session: Session | None = None
+        self._body: Body | None = None
+        self._own_body = False
+
+    # -- the with-block -------------------------------------------------------------------
+    def __enter__(self) -> "BackwardTracer":
+        body = current_body()
+        if body is not None and body.trace is not None and body.trace.method == "generate":
+            raise NotImplementedError(
+                "a backward block cannot be opened in a model.generate() trace: generate() runs "
+                "under torch.no_grad(), so there is no graph. Use model.trace(...) for gradients.")
+        if not self.tensor.requires_grad:
+            raise NotImplementedError(
+                "`with loss.backward():` over a tensor that does not require grad: the forward "
+                "carried no gradient tracking (torch.no_grad(), torch.inference_mode(), or a "
+                "frozen model with inputs that need no grad), so there is no graph to walk. Run "
+                "the trace with gradients enabled and at least one parameter or input requiring grad.")
+        if body is not None and body.block is not None:
+            raise TraceStateError("a backward block is already open in this body; close it "
+                                  "before opening another.")
+        if body is None:
+            body = Body(None)
+            BODIES[greenlet.getcurrent()] = body
+            gradpatch.acquire()
+            self._own_body = True
+        self._body = body
+        try:
+            if body.trace is not None:
+                if self.backend is None:
+                    self.backend = body.trace.engine
+                if body.scheduler is not None:  # an invoke body: the scheduler runs one backward
+                    body.trace.invoke_backward(body, self)
+                    body.block = self
+                    return self
+                body.trace.finish_forward()
+            self.session = Session("backward", self._run, [body], threaded=_threaded(self.tensor))
+        except BaseException:
+            self._leave()
+            raise
+        body.block = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        body = self._body
+        try:
+            if body.scheduler is not None and self.session is None:
+                if exc is None:
+                    body.trace.invoke_backward_done(body, self)
+            elif exc is None:
+                self.session.finish()
+            else:
+                self.session.abort()
+        finally:
+            if self.session is not None and body.scheduler is None:
+                if not self.session.finished:
+                    self.session.abort()
+                self.session.close()
+            body.block = None
+            self._leave()
+        return False
+
+    def _leave(self):
+        if self._own_body:
+            BODIES.pop(greenlet.getcurrent(), None)
+            gradpatch.release()
+            self._own_body = False
+
+    def _run(self):
+        if self.backend is not None:
+            return self.backend.backward(self.tensor, self.fn, self.args, self.kwargs)
+        return self.fn(self.tensor, *self.args, **self.kwargs)
+
+    def execute(self, code: types.CodeType, globals: dict | None = None,
+                locals: dict | None = None) -> None:
+        """Run ``code`` (a compiled body) as the block's body, with the real backward.
+
+        Equivalent to writing ``with tensor.backward(...):`` around the code; ``globals`` and
+        ``locals`` default to the caller's."""
+        frame = sys._getframe(1)
+        with self:
+            exec(code, frame.f_globals if globals is None else globals,
+                 frame.f_locals if locals is None else locals)
+
+    @staticmethod
+    def install() -> None:
+        """Make ``with t.backward(...):`` open a BackwardTracer. Idempotent; run at import."""
+        if getattr(torch.Tensor.backward, "_distgrad", False):
+            return
+        real = torch.Tensor.backward
+
+        def backward(self, *args, **kwargs):
+            if _opens_with(sys._getframe(1)):
+                return BackwardTracer(self, real, *args, **kwargs)
+            return real(self, *args, **kwargs)
+
+        backward.__doc__ = real.__doc__
+        backward.__wrapped__ = real
+        backward._distgrad = True
+        torch.Tensor.backward = backward
+
+
+def _threaded(tensor) -> bool:
+    mode = config.backward_mode
+    if mode == "auto":
+        return tensor.device.type != "cpu" or torch.cuda.is_initialized()
+    if mode not in ("greenlet", "thread"):
+        raise ValueError(f"distgrad.config.backward_mode must be 'auto', 'greenlet' or 'thread', "
+                         f"not {mode!r}.")
+    return mode == "thread"
+
+
+# -- is this call the subject of a `with`? -------------------------------------------------
+_WITH_OPS = {"BEFORE_WITH", "SETUP_WITH", "BEFORE_ASYNC_WITH", "LOAD_SPECIAL"}
+_sites: dict = {}
+
+
+def _opens_with(frame) -> bool:
+    site = (frame.f_code, frame.f_lasti)
+    known = _sites.get(site)
+    if known is None:
+        known = _sites[site] = _next_op(frame.f_code, frame.f_lasti) in _WITH_OPS
+    return known
+
+
+def _next_op(code, offset: int) -> str | None:
+    # f_lasti is the CALL (3.12+) or one of its inline cache slots (3.11): the next real
+    # instruction after it tells whether the call's result is entered as a context manager.
+    for ins in dis.get_instructions(code):
+        if ins.offset > offset and ins.opname not in ("CACHE", "EXTENDED_ARG"):
+            return ins.opname
+    return None
+
+
+# -- .grad in a body -----------------------------------------------------------------------
+def read_grad(body: Body, tensor: torch.Tensor):
+    block = body.block
+    if block is None:
+        if tensor.grad_fn is not None:
+            raise TraceStateError(
+                f"{body.label_of(tensor)}.grad was read outside a backward block. Gradients "
+                f"exist only while the backward runs: read it inside `with loss.backward():`.")
+        return gradpatch._PLAIN_MARK
+    return _grad_stop(body, block, tensor).view if block.session is not None else \
+        body.trace.invoke_grad(body, tensor).view
+
+
+def write_grad(body: Body, tensor: torch.Tensor, value) -> None:
+    block = body.block
+    stop = _grad_stop(body, block, tensor) if block.session is not None else \
+        body.trace.invoke_grad(body, tensor)
+    stop.replace(value, body.label_of(tensor) + ".grad")
+
+
+def _grad_stop(body: Body, block: BackwardTracer, tensor: torch.Tensor):
+    label = body.label_of(tensor)
+    if not tensor.requires_grad:
+        raise ValueError(f"{label}.grad: no gradient flows into it, because it does not require "
+                         f"grad (computed under torch.no_grad() or from frozen inputs only).")
+    session = block.session
+    point = session.grad_point(tensor, label)
+    stop = body.stop
+    if stop is not None and stop.key[0] is point:
+        return stop
+    key = (point, point.calls)
+    return session.request(body, key, lambda: grad_passed(label, block.tensor, tensor, body))
+
+
+def grad_passed(label: str, root: torch.Tensor, tensor: torch.Tensor, body: Body) -> str:
+    if not _reaches(root.grad_fn, tensor.grad_fn):
+        return (f"{label}.grad: the backward of {body.label_of(root)} finished without a "
+                f"gradient reaching {label}; it is not on the path from that tensor to the "
+                f"inputs. Open the backward block on a tensor computed from {label}.")
+    return (f"{label}.grad was requested after the backward had passed it. Gradients arrive in "
+            f"reverse-forward order: request later layers' .grad first (e.g. "
+            f"model.h[1].output.grad before model.h[0].output.grad).")
+
+
+def _reaches(start, target) -> bool:
+    if start is None or target is None:
+        return target is None and start is not None
+    seen, todo = set(), [start]
+    while todo:
+        fn = todo.pop()
+        if fn is target:
+            return True
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        todo.extend(f for f, _ in fn.next_functions)
+    return False

@@ -1,0 +1,120 @@
+"""Inputs in, rows out: tokenizing, joining invoke inputs into one batch, and slicing values per invoke.
+
+An invoke owns a contiguous range of rows (``slice``) of the batch. ``narrow`` shows a value to one
+invoke; ``merge`` puts the invokes' replacements back together. Only tensors whose first dimension
+is the batch size are split; anything else is shown whole.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+
+def _is_text(x) -> bool:
+    return isinstance(x, str) or (isinstance(x, (list, tuple)) and len(x) > 0
+                                  and all(isinstance(s, str) for s in x))
+
+
+def prepare(args: tuple, kwargs: dict, tokenizer) -> tuple[tuple, dict]:
+    """Tokenize a leading str / list[str]; pass tensors and dicts through."""
+    if args and _is_text(args[0]):
+        if tokenizer is None:
+            raise TypeError("model.trace() got text but distgrad.wrap() was given no tokenizer: "
+                            "call distgrad.wrap(module, tokenizer=...) or pass token ids.")
+        texts = [args[0]] if isinstance(args[0], str) else list(args[0])
+        encoded = tokenizer(texts, return_tensors="pt", padding=True)
+        return args[1:], {**dict(encoded), **kwargs}
+    if args and isinstance(args[0], Mapping) and not kwargs and len(args) == 1:
+        return (), dict(args[0])  # a BatchEncoding or a dict of model inputs
+    return tuple(args), dict(kwargs)
+
+
+def batch_size(args: tuple, kwargs: dict) -> int:
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return v.shape[0]
+    raise ValueError("distgrad could not find a batched tensor in the trace inputs.")
+
+
+def join(inputs: list[tuple[tuple, dict]], tokenizer) -> tuple[tuple, dict, list[slice]]:
+    """One batch from several invokes' raw inputs; returns the rows each invoke owns."""
+    if all(a and _is_text(a[0]) for a, _ in inputs):
+        texts, rows = [], []
+        for a, _ in inputs:
+            part = [a[0]] if isinstance(a[0], str) else list(a[0])
+            rows.append(slice(len(texts), len(texts) + len(part)))
+            texts.extend(part)
+        args, kwargs = prepare((texts,), dict(inputs[0][1]), tokenizer)
+        return args, kwargs, rows
+    prepared = [prepare(a, k, tokenizer) for a, k in inputs]
+    rows, start = [], 0
+    for a, k in prepared:
+        n = batch_size(a, k)
+        rows.append(slice(start, start + n))
+        start += n
+    args = tuple(_cat([p[0][i] for p in prepared], f"argument {i}")
+                 for i in range(len(prepared[0][0])))
+    kwargs = {key: _cat([p[1][key] for p in prepared], f"keyword {key!r}") for key in prepared[0][1]}
+    return args, kwargs, rows
+
+
+def _cat(values: list, what: str):
+    if isinstance(values[0], torch.Tensor):
+        try:
+            return torch.cat(values, dim=0)
+        except RuntimeError as exc:
+            raise ValueError(f"invoke inputs cannot be batched: {what} has shapes "
+                             f"{[list(v.shape) for v in values]}; pad them to one length.") from exc
+    if any(v != values[0] for v in values[1:]):
+        raise ValueError(f"invoke inputs cannot be batched: {what} differs between invokes.")
+    return values[0]
+
+
+def narrow(value, rows: slice | None, size: int):
+    """The part of a value that belongs to ``rows`` of a batch of ``size``."""
+    if rows is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value[rows] if value.dim() > 0 and value.shape[0] == size else value
+    if isinstance(value, tuple):
+        return type(value)(narrow(v, rows, size) for v in value) if not hasattr(value, "_fields") \
+            else type(value)(*(narrow(v, rows, size) for v in value))
+    if isinstance(value, list):
+        return [narrow(v, rows, size) for v in value]
+    if isinstance(value, Mapping):
+        items = {k: narrow(v, rows, size) for k, v in value.items()}
+        return items if type(value) is dict else type(value)(**items)
+    return value
+
+
+def merge(full, pieces: list[tuple[slice, object]], size: int):
+    """``full`` with each invoke's replacement put back into its rows; None if nothing changed."""
+    pieces = [(r, p) for r, p in pieces if p is not None]
+    if not pieces:
+        return None
+    if isinstance(full, torch.Tensor):
+        if full.dim() == 0 or full.shape[0] != size:
+            return pieces[-1][1]  # not batched: the last invoke's write wins
+        parts, at = [], 0
+        for rows, piece in sorted(pieces, key=lambda rp: rp[0].start):
+            if rows.start > at:
+                parts.append(full[at:rows.start])
+            parts.append(piece)
+            at = rows.stop
+        if at < size:
+            parts.append(full[at:])
+        return torch.cat(parts, dim=0)
+    if isinstance(full, (tuple, list)):
+        merged = [merge(f, [(r, p[i]) for r, p in pieces], size) for i, f in enumerate(full)]
+        items = [m if m is not None else f for m, f in zip(merged, full)]
+        if isinstance(full, list):
+            return items
+        return type(full)(*items) if hasattr(full, "_fields") else type(full)(items)
+    if isinstance(full, Mapping):
+        items = {}
+        for k, f in full.items():
+            m = merge(f, [(r, p[k]) for r, p in pieces if k in p], size)
+            items[k] = m if m is not None else f
+        return items if type(full) is dict else type(full)(**items)
+    return pieces[-1][1]

@@ -1,0 +1,162 @@
+"""Envoys: objects that mirror the module tree and serve its values inside a trace.
+
+``model.transformer.h[0]`` is an Envoy for that module; ``.output``, ``.input`` and ``.inputs``
+stop the run where the module produces them. Anything that is not a submodule (a parameter,
+``config``, a method) is the module's own attribute.
+"""
+from __future__ import annotations
+
+import difflib
+
+import torch
+
+from .errors import TraceStateError
+from .session import _UNSET, current_body
+
+
+class Envoy:
+    __slots__ = ("_module", "_path", "_children", "_call", "_parent")
+
+    def __init__(self, module: torch.nn.Module, path: str, call: int | None = None,
+                 parent: "Envoy | None" = None):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_children", {})
+        object.__setattr__(self, "_call", call)
+        object.__setattr__(self, "_parent", parent)
+
+    def _ancestors(self):
+        envoy = self._parent
+        while envoy is not None:
+            yield envoy
+            envoy = envoy._parent
+
+    # -- the tree -------------------------------------------------------------------------
+    def __getattr__(self, name: str):
+        children = self._children
+        if name in children:
+            return children[name]
+        module = self._module
+        sub = module._modules.get(name) if name in module._modules else None
+        if sub is not None:
+            envoy = children[name] = Envoy(sub, f"{self._path}.{name}", parent=self)
+            return envoy
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            pass
+        names = list(module._modules) + [n for n, _ in module.named_parameters(recurse=False)]
+        near = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(f'{self._path}.{n}' for n in near)}?" if near else ""
+        listing = ", ".join(list(module._modules)[:12]) or "none"
+        raise AttributeError(f"{self._path} ({type(module).__name__}) has no submodule or "
+                             f"attribute {name!r}.{hint} Its submodules: {listing}.")
+
+    def __getitem__(self, key):
+        module = self._module
+        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+            raise TypeError(f"{self._path} ({type(module).__name__}) cannot be indexed; only "
+                            "ModuleList, Sequential and ModuleDict can.")
+        if key in self._children:
+            return self._children[key]
+        try:
+            sub = module[key]
+        except (IndexError, KeyError):
+            valid = (f"keys {list(module.keys())}" if isinstance(module, torch.nn.ModuleDict)
+                     else f"indices 0..{len(module) - 1}")
+            raise IndexError(f"{self._path}[{key!r}] does not exist: {self._path} has "
+                             f"{valid}.") from None
+        label = f"{self._path}[{key!r}]" if isinstance(key, str) else f"{self._path}[{key}]"
+        envoy = Envoy(sub, label, parent=self) if isinstance(sub, torch.nn.Module) else sub
+        self._children[key] = envoy
+        return envoy
+
+    def __len__(self):
+        return len(self._module)
+
+    def __iter__(self):
+        for i in range(len(self._module)):
+            yield self[i]
+
+    def __call__(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    def __repr__(self):
+        return f"Envoy({self._path}: {type(self._module).__name__})"
+
+    def call(self, i: int) -> "Envoy":
+        """The ``i``-th call (from 0) of this module in the trace, for modules run more than once."""
+        if not isinstance(i, int) or i < 0:
+            raise ValueError(f"{self._path}.call(i) needs an int i >= 0, got {i!r}.")
+        return Envoy(self._module, f"{self._path}.call({i})", call=i, parent=self._parent)
+
+    # -- values ---------------------------------------------------------------------------
+    def _stop(self, kind: str):
+        body = current_body()
+        if body is None or body.trace is None:
+            raise TraceStateError(f"{self._path}.{kind} can only be used inside "
+                                  "`with model.trace(...):`.")
+        return body, body.trace.stop_at(body, self, kind)
+
+    @property
+    def output(self):
+        body, stop = self._stop("output")
+        value = stop.replacement if stop.replacement is not _UNSET else stop.view
+        body.remember(value, f"{self._path}.output")
+        return value
+
+    @output.setter
+    def output(self, value):
+        body, stop = self._stop("output")
+        stop.replace(value, f"{self._path}.output")
+        body.remember(value, f"{self._path}.output")
+
+    @property
+    def inputs(self):
+        """``(args, kwargs)`` of the call."""
+        _, stop = self._stop("input")
+        return stop.replacement if stop.replacement is not _UNSET else stop.view
+
+    @inputs.setter
+    def inputs(self, value):
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)):
+            raise TypeError(f"{self._path}.inputs = ... needs a pair (args tuple, kwargs dict).")
+        _, stop = self._stop("input")
+        stop.replace((tuple(value[0]), dict(value[1])), f"{self._path}.inputs")
+
+    @property
+    def input(self):
+        """The first positional argument (or, for a call with keywords only, the first keyword's value)."""
+        body, stop = self._stop("input")
+        args, kwargs = stop.replacement if stop.replacement is not _UNSET else stop.view
+        value = _first(args, kwargs, self._path)
+        body.remember(value, f"{self._path}.input")
+        return value
+
+    @input.setter
+    def input(self, value):
+        body, stop = self._stop("input")
+        args, kwargs = stop.replacement if stop.replacement is not _UNSET else stop.view
+        if args:
+            stop.replace(((value,) + tuple(args[1:]), dict(kwargs)), f"{self._path}.input")
+        elif kwargs:
+            first = next(iter(kwargs))
+            stop.replace(((), {**kwargs, first: value}), f"{self._path}.input")
+        else:
+            raise TraceStateError(f"{self._path}.input = ...: this call has no arguments.")
+        body.remember(value, f"{self._path}.input")
+
+    def __setattr__(self, name, value):
+        if name in ("output", "input", "inputs"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._module, name, value)
+
+
+def _first(args, kwargs, path):
+    if args:
+        return args[0]
+    if kwargs:
+        return next(iter(kwargs.values()))
+    raise TraceStateError(f"{path}.input: this call has no arguments.")
+

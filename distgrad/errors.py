@@ -1,0 +1,49 @@
+"""The errors distgrad raises, and the helpers that word them.
+
+Every message names what the user wrote (``model.transformer.h[0].output``, ``a1.grad``) and
+says what to do; docs/errors.rst has a page for each.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class OutOfOrderError(RuntimeError):
+    """A value was requested after the run had already passed it.
+
+    The forward serves ``.output``/``.input`` in forward order; a backward block serves ``.grad``
+    in reverse-forward order (later layers first).
+    """
+
+
+class NotSavedError(NameError):
+    """A name bound inside an invoke body was used after the trace without having been saved."""
+
+
+class TraceStateError(RuntimeError):
+    """An operation was used where it has no meaning: ``.save()`` outside a trace, ``.grad`` of a
+    traced activation outside a backward block, a forward value after the forward ended."""
+
+
+def describe_tensor(t: torch.Tensor) -> str:
+    """A short human label for a tensor that distgrad did not name itself."""
+    fn = type(t.grad_fn).__name__ if t.grad_fn is not None else "leaf"
+    return f"tensor of shape {list(t.shape)} ({fn}, {t.dtype}, {t.device})"
+
+
+def check_replacement_grad(label: str, old: torch.Tensor, new) -> None:
+    """Refuse a replacement gradient that autograd would reject later with a vaguer message."""
+    if not isinstance(new, torch.Tensor):
+        raise TypeError(f"{label} = ... needs a torch.Tensor, got {type(new).__name__}. "
+                        f"Build the replacement from the gradient, e.g. {label} = {label} * 2.")
+    problems = []
+    if new.shape != old.shape:
+        problems.append(f"shape {list(new.shape)} instead of {list(old.shape)}")
+    if new.dtype != old.dtype:
+        problems.append(f"dtype {new.dtype} instead of {old.dtype}")
+    if new.device != old.device:
+        problems.append(f"device {new.device} instead of {old.device}")
+    if problems:
+        raise ValueError(f"{label} = ... : the replacement gradient has " + ", ".join(problems)
+                         + f". A replacement must match the gradient it replaces; build it from "
+                           f"{label} (e.g. {label} * 2, torch.zeros_like({label})).")

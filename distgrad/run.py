@@ -1,0 +1,133 @@
+"""Runs a forward or a backward as a coroutine of the with-block body.
+
+The body asks for a value; the run goes on until the hook that produces it fires; the hook hands
+the value over and waits; the body reads or replaces it and, when it asks for the next value,
+hands the reply back to the hook. Two ways to switch, one protocol:
+
+* ``GreenletRun`` runs ``fn`` in a greenlet on the body's own thread. A switch costs about a
+  microsecond and the run sees the body's thread-local state (grad mode, CUDA device and stream).
+  Forward hooks, and backward hooks of a graph on the CPU, fire on the calling thread, so this
+  serves every forward and every CPU backward.
+* ``ThreadRun`` runs ``fn`` in a worker thread and accepts hand-offs from any thread. On CUDA the
+  autograd engine calls tensor hooks on its per-device threads while the thread that called
+  ``backward()`` sits blocked in C++, so such a backward cannot share the body's thread. A
+  hand-off costs a lock round trip (~15-20 us on this CPU; see docs/performance.rst).
+
+Events returned to the driver by ``resume``: ``("point", key, value)``, ``("done", result)``,
+``("error", exc)`` or ``("aborted", None)``.
+"""
+from __future__ import annotations
+
+import threading
+
+import greenlet
+import torch
+
+
+class _Abort(BaseException):
+    """Thrown into a run to unwind it after the body failed; never reaches the user."""
+
+
+def _outcome(fn):
+    try:
+        return ("done", fn())
+    except _Abort:
+        return ("aborted", None)
+    except BaseException as exc:  # handed to the body, which re-raises it
+        return ("error", exc)
+
+
+class GreenletRun:
+    def __init__(self, fn):
+        self.fn = fn
+        self.glet = greenlet.greenlet(lambda _reply: _outcome(fn))
+        self.finished = False
+
+    @property
+    def started(self) -> bool:
+        return bool(self.glet) or self.finished
+
+    def resume(self, reply=None):
+        # The run returns to whoever resumed it: the body, or the invoke scheduler.
+        self.glet.parent = greenlet.getcurrent()
+        event = self.glet.switch(reply)
+        if self.glet.dead:
+            self.finished = True
+        return event
+
+    def hand(self, key, value):
+        if greenlet.getcurrent() is not self.glet:
+            raise RuntimeError(
+                "distgrad: a hook fired on a thread other than the one running the trace "
+                f"({threading.current_thread().name}). For a backward on an accelerator set "
+                "distgrad.config.backward_mode = 'thread'.")
+        return self.glet.parent.switch(("point", key, value))
+
+    def abort(self):
+        if self.glet and not self.glet.dead:
+            self.glet.parent = greenlet.getcurrent()
+            self.glet.throw(_Abort())
+        self.finished = True
+
+
+class ThreadRun:
+    def __init__(self, fn):
+        self.fn = fn
+        self.thread = None
+        self.finished = False
+        self._to_body = threading.Lock()
+        self._to_run = threading.Lock()
+        self._to_body.acquire()
+        self._to_run.acquire()
+        self._one_hand = threading.Lock()  # several device threads may fire hooks at once
+        self._box = None
+        self._reply = None
+        self._aborting = False
+        # CUDA device and stream are per thread: the worker must use the body's.
+        self._stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+
+    @property
+    def started(self) -> bool:
+        return self.thread is not None
+
+    def _main(self):
+        if self._stream is not None:
+            torch.cuda.set_device(self._stream.device)
+            with torch.cuda.stream(self._stream):
+                self._box = _outcome(self.fn)
+        else:
+            self._box = _outcome(self.fn)
+        self._to_body.release()
+
+    def resume(self, reply=None):
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._main, name="distgrad-backward", daemon=True)
+            self.thread.start()
+        else:
+            self._reply = reply
+            self._to_run.release()
+        self._to_body.acquire()
+        event = self._box
+        if event[0] != "point":
+            self.thread.join()
+            self.finished = True
+        return event
+
+    def hand(self, key, value):
+        with self._one_hand:
+            if self._aborting:
+                raise _Abort()
+            self._box = ("point", key, value)
+            self._to_body.release()
+            self._to_run.acquire()
+            if self._aborting:
+                raise _Abort()
+            return self._reply
+
+    def abort(self):
+        if self.thread is not None and not self.finished:
+            self._aborting = True
+            self._to_run.release()
+            self._to_body.acquire()
+            self.thread.join()
+        self.finished = True

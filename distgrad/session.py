@@ -1,0 +1,184 @@
+"""Sessions and bodies: who asks for values, and the run that answers.
+
+A *session* is one run (a forward, or a backward) plus the hook points installed on it. A *body*
+is one with-block body that asks for values: the trace body, or one invoke's body. A session
+serves its bodies in invoke order; a body that is not an invoke drives the session itself, an
+invoke body hands control to the trace's scheduler (see ``invoke.py``).
+
+``BODIES`` maps the greenlet that runs a body to it: that is how ``.output``, ``.grad`` and
+``.save()`` find their trace without any global "current trace" that other code could see.
+"""
+from __future__ import annotations
+
+import greenlet
+import torch
+
+from . import batching
+from .errors import OutOfOrderError, check_replacement_grad
+from .points import GradPoint, ModulePoint
+from .run import GreenletRun, ThreadRun
+
+BODIES: dict = {}
+_UNSET = object()
+
+
+def current_body():
+    return BODIES.get(greenlet.getcurrent()) if BODIES else None
+
+
+class Body:
+    def __init__(self, trace=None, rows: slice | None = None, index: int | None = None,
+                 scheduler=None):
+        self.trace = trace          # the Trace, or None for a backward block outside any trace
+        self.rows = rows            # rows of the batch this body sees; None: all of them
+        self.index = index          # invoke number, for messages
+        self.scheduler = scheduler  # greenlet to yield to (invoke bodies); None: drive the run
+        self.pending = None         # key (point, call) this body waits for
+        self.stop = None            # Stop: where the run is paused for this body
+        self.block = None           # the open BackwardTracer, if any
+        self.saves: list = []
+        self.labels: dict = {}      # id(tensor) -> (tensor, "model.x.output") for messages
+
+    def label_of(self, tensor) -> str:
+        from .errors import describe_tensor
+        entry = self.labels.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else describe_tensor(tensor)
+
+    def remember(self, value, label: str) -> None:
+        if isinstance(value, torch.Tensor):
+            self.labels[id(value)] = (value, label)
+
+
+class Stop:
+    """One body's view of the point the run is paused at, and what the body put there."""
+
+    def __init__(self, key, value, body: Body, kind: str, size: int):
+        self.key = key
+        self.kind = kind
+        view = batching.narrow(value, body.rows, size)
+        if kind == "grad":
+            # The body gets its own copy: autograd may pass one gradient tensor to several
+            # branches, and an in-place edit must reach only the branch of this tensor.
+            view = view.clone()
+            self.version = view._version
+        self.view = view
+        self.replacement = _UNSET
+
+    def replace(self, value, label: str) -> None:
+        if self.kind == "grad":
+            check_replacement_grad(label, self.view, value)
+        self.replacement = value
+
+    def reply(self):
+        if self.replacement is not _UNSET:
+            return self.replacement
+        if self.kind == "grad" and self.view._version != self.version:
+            return self.view  # edited in place
+        return None
+
+
+class Session:
+    def __init__(self, kind: str, fn, bodies: list[Body], size: int = 0, threaded: bool = False):
+        self.kind = kind            # "forward" or "backward"
+        self.run = ThreadRun(fn) if threaded else GreenletRun(fn)
+        self.bodies = bodies
+        self.size = size            # batch size, for splitting values between invokes
+        self.wanted: dict = {}      # key -> number of bodies waiting for it
+        self.points: dict = {}      # (module id, kind) or tensor id -> point
+        self.served: list[Body] = []
+        self.paused_value = None
+        self.finished = False
+        self.result = None
+
+    # -- points ---------------------------------------------------------------------------
+    def module_point(self, module, path: str, kind: str) -> ModulePoint:
+        point = self.points.get((id(module), kind))
+        if point is None:
+            point = self.points[(id(module), kind)] = ModulePoint(self, module, path, kind)
+        return point
+
+    def grad_point(self, tensor, label: str) -> GradPoint:
+        entry = self.points.get(id(tensor))
+        if entry is None or entry[0] is not tensor:
+            entry = self.points[id(tensor)] = (tensor, GradPoint(self, tensor, label))
+        return entry[1]
+
+    # -- the run side ---------------------------------------------------------------------
+    def fire(self, key, value):
+        return self.run.hand(key, value)
+
+    # -- the body side --------------------------------------------------------------------
+    def request(self, body: Body, key, passed_message) -> Stop:
+        """Stop where ``key`` fires and return the body's view of it."""
+        if body.stop is not None and body.stop.key == key:
+            return body.stop
+        if self.finished:
+            raise OutOfOrderError(passed_message())
+        body.pending = key
+        self.wanted[key] = self.wanted.get(key, 0) + 1
+        try:
+            if body.scheduler is None:
+                self.advance()
+            else:
+                body.scheduler.switch()
+        finally:
+            body.pending = None
+            left = self.wanted.pop(key) - 1
+            if left:
+                self.wanted[key] = left
+        if body.stop is not None and body.stop.key == key:
+            return body.stop
+        raise OutOfOrderError(passed_message())
+
+    def advance(self) -> None:
+        """Resume the run with the bodies' replies until it pauses at a wanted key or ends."""
+        reply = self._reply()
+        event = self.run.resume(reply)
+        if event[0] == "point":
+            _, key, value = event
+            self.paused_value = value
+            for body in self.bodies:
+                if body.pending == key:
+                    body.stop = Stop(key, value, body, self.kind_of(key), self.size)
+                    self.served.append(body)
+            return
+        self.finished = True
+        if event[0] == "error":
+            raise event[1]
+        self.result = event[1]
+
+    def finish(self) -> None:
+        while not self.finished:
+            self.advance()
+
+    def abort(self) -> None:
+        self.served = []
+        for body in self.bodies:
+            body.stop = None
+        if not self.finished:
+            self.run.abort()
+            self.finished = True
+
+    def close(self) -> None:
+        for point in self.points.values():
+            (point[1] if isinstance(point, tuple) else point).remove()
+        self.points.clear()
+
+    @staticmethod
+    def kind_of(key) -> str:
+        point = key[0]
+        return "grad" if isinstance(point, GradPoint) else point.kind
+
+    def _reply(self):
+        served, self.served = self.served, []
+        if not served:
+            return None
+        if len(served) == 1 and served[0].rows is None:
+            reply = served[0].stop.reply()
+        else:
+            pieces = [(b.rows, b.stop.reply()) for b in served]
+            reply = batching.merge(self.paused_value, pieces, self.size)
+        for body in served:
+            body.stop = None
+        self.paused_value = None
+        return reply

@@ -1,0 +1,163 @@
+"""The forward trace: ``with model.trace(inputs):`` and the object ``distgrad.wrap`` returns.
+
+The body runs in place, in the caller's own frame; the model's forward runs as a coroutine of it
+(``run.py``), advancing only as far as the body's next request. So a trace that asks for nothing
+is one plain forward, and every value the body sees is the real tensor of the run.
+"""
+from __future__ import annotations
+
+import greenlet
+import torch
+
+from . import batching, engines, gradpatch
+from .envoy import Envoy
+from .errors import OutOfOrderError, TraceStateError
+from .session import BODIES, Body, Session
+
+
+class Model(Envoy):
+    """What ``distgrad.wrap`` returns: an Envoy of the root module that can open traces."""
+
+    __slots__ = ("_engine", "_tokenizer", "_root")
+
+    def __init__(self, engine: engines.Engine, tokenizer=None):
+        super().__init__(engine.model, "model")
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_tokenizer", tokenizer)
+        # model.output is the output of whatever the engine calls (the wrapper, if any).
+        root = self if engine.root is engine.model else Envoy(engine.root, "model")
+        object.__setattr__(self, "_root", root)
+
+    def trace(self, *args, **kwargs) -> "Trace":
+        """Open a trace of one forward. Text is tokenized; tensors and dicts pass through.
+
+        With no inputs, add them with ``tracer.invoke(...)`` blocks (one batch)."""
+        return Trace(self, "forward", args, kwargs)
+
+    def generate(self, *args, **kwargs) -> "Trace":
+        """Trace ``module.generate(...)``: forward values only (generate runs without gradients)."""
+        return Trace(self, "generate", args, kwargs)
+
+    @property
+    def output(self):
+        return Envoy.output.fget(self._root)
+
+    @output.setter
+    def output(self, value):
+        Envoy.output.fset(self._root, value)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._engine.model
+
+
+class Trace:
+    def __init__(self, model: Model, method: str, args: tuple, kwargs: dict):
+        self.model = model
+        self.engine = model._engine
+        self.method = method
+        self.raw_inputs = (args, kwargs)
+        self.invokes: list = []
+        self.body: Body | None = None
+        self.forward: Session | None = None
+        self.size = 0
+
+    # -- the with-block -------------------------------------------------------------------
+    def __enter__(self) -> "Trace":
+        self.body = Body(self)
+        self._glet = greenlet.getcurrent()
+        if self._glet in BODIES:
+            raise TraceStateError("a trace is already open in this body; traces do not nest. "
+                                  "Close the first `with model.trace(...)` block before opening another.")
+        BODIES[self._glet] = self.body
+        gradpatch.acquire()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc is None:
+                if self.invokes:
+                    from .invoke import run_invokes
+                    run_invokes(self)
+                else:
+                    self.finish_forward()
+        finally:
+            if self.forward is not None:
+                if not self.forward.finished:
+                    self.forward.abort()
+                self.forward.close()
+            BODIES.pop(self._glet, None)
+            gradpatch.release()
+        if exc is None:
+            self.engine.gather(self.body.saves)
+        return False
+
+    def invoke(self, *args, **kwargs):
+        """One input of a batched trace; see docs/concepts.rst ("Invokes")."""
+        from .invoke import Invoke
+        if self.raw_inputs[0] or self.raw_inputs[1]:
+            raise TraceStateError("model.trace(inputs) already has inputs: either pass inputs to "
+                                  "trace() or use tracer.invoke(...) blocks, not both.")
+        if self.forward is not None:
+            raise TraceStateError("tracer.invoke(...) must come before the body reads any value.")
+        return Invoke(self, args, kwargs)
+
+    # -- the forward ----------------------------------------------------------------------
+    def forward_session(self, bodies: list[Body] | None = None, rows=None) -> Session:
+        if self.forward is None:
+            if self.invokes:
+                raise TraceStateError("in a trace with invokes, read model values inside the "
+                                      "`with tracer.invoke(...):` blocks.")
+            args, kwargs = batching.prepare(*self.raw_inputs, self.model._tokenizer)
+            self.forward = self._session([self.body], args, kwargs)
+        return self.forward
+
+    def _session(self, bodies, args, kwargs) -> Session:
+        if not args and not kwargs:
+            raise TraceStateError("model.trace() has no inputs: pass them to trace(...) or add "
+                                  "`with tracer.invoke(...):` blocks.")
+        call = self.engine.generate if self.method == "generate" else self.engine.forward
+        size = batching.batch_size(args, kwargs) if bodies[0].rows is not None else 0
+        return Session("forward", lambda: call(args, kwargs), bodies, size=size)
+
+    def finish_forward(self) -> None:
+        if self.forward is None and not self.invokes:
+            self.forward_session()
+        if self.forward is not None:
+            self.forward.finish()
+
+    def stop_at(self, body: Body, envoy: Envoy, kind: str):
+        path, module, call = envoy._path.split(".call(")[0], envoy._module, envoy._call
+        session = self.forward if body.rows is not None else self.forward_session()
+        if body.block is not None or (session is not None and session.finished):
+            raise OutOfOrderError(
+                f"{path}.{kind} was requested after the forward had finished. Read forward "
+                f"values before `with loss.backward():` and keep them in variables.")
+        point = session.points.get((id(module), kind))
+        if point is None:
+            point = session.module_point(module, path, kind)
+            # PyTorch decides at the start of a module's call whether to run its forward hooks;
+            # a module with no hook then never sees one added mid-call. Giving every enclosing
+            # module a (counting, silent) output point before the run enters it keeps
+            # `model.output` and other enclosing outputs reachable later in the body.
+            for outer in envoy._ancestors():
+                session.module_point(outer._module, outer._path, "output")
+            session.module_point(self.engine.root, "model", "output")
+        if call is None:
+            stop = body.stop
+            if stop is not None and stop.key[0] is point:
+                return stop  # the body is at this very call: read/write it again
+            call = point.calls
+        elif call < point.calls and not (body.stop is not None and body.stop.key == (point, call)):
+            raise OutOfOrderError(
+                f"{path}.{kind} (call {call}) was requested after the run had already passed it "
+                f"(the module has run {point.calls} time(s) since the trace first named it). "
+                f"Name repeated modules before the forward reaches them.")
+        return session.request(body, (point, call), lambda: _passed(path, kind, point))
+
+
+def _passed(path: str, kind: str, point) -> str:
+    return (f"{path}.{kind} was requested after the run had passed it: the forward finished "
+            f"without another call of {path} after the point where you asked (it ran "
+            f"{point.calls} time(s) since the trace first named it). Read module values in the "
+            f"order the forward computes them, or use {path}.call(i) for the i-th call.")

@@ -71,19 +71,27 @@ def _cat(values: list, what: str):
     return values[0]
 
 
-def narrow(value, rows: slice | None, size: int):
-    """The part of a value that belongs to ``rows`` of a batch of ``size``."""
+def narrow(value, rows: slice | None, size: int, slices: dict | None = None):
+    """The part of a value that belongs to ``rows`` of a batch of ``size``.
+
+    Each tensor view made is recorded in ``slices`` (id -> (view, full)) so that a later
+    ``view.grad`` can be served from the gradient of the full tensor."""
     if rows is None:
         return value
     if isinstance(value, torch.Tensor):
-        return value[rows] if value.dim() > 0 and value.shape[0] == size else value
+        if value.dim() == 0 or value.shape[0] != size:
+            return value
+        view = value[rows]
+        if slices is not None:
+            slices[id(view)] = (view, value)
+        return view
     if isinstance(value, tuple):
-        return type(value)(narrow(v, rows, size) for v in value) if not hasattr(value, "_fields") \
-            else type(value)(*(narrow(v, rows, size) for v in value))
+        parts = [narrow(v, rows, size, slices) for v in value]
+        return type(value)(*parts) if hasattr(value, "_fields") else type(value)(parts)
     if isinstance(value, list):
-        return [narrow(v, rows, size) for v in value]
+        return [narrow(v, rows, size, slices) for v in value]
     if isinstance(value, Mapping):
-        items = {k: narrow(v, rows, size) for k, v in value.items()}
+        items = {k: narrow(v, rows, size, slices) for k, v in value.items()}
         return items if type(value) is dict else type(value)(**items)
     return value
 

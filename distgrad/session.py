@@ -34,6 +34,7 @@ class Body:
         self.index = index          # invoke number, for messages
         self.scheduler = scheduler  # greenlet to yield to (invoke bodies); None: drive the run
         self.pending = None         # key (point, call) this body waits for
+        self.pending_rows = rows    # rows of that key's value it will see
         self.stop = None            # Stop: where the run is paused for this body
         self.block = None           # the open BackwardTracer, if any
         self.saves: list = []
@@ -52,10 +53,11 @@ class Body:
 class Stop:
     """One body's view of the point the run is paused at, and what the body put there."""
 
-    def __init__(self, key, value, body: Body, kind: str, size: int):
+    def __init__(self, key, value, rows, kind: str, size: int, slices: dict | None):
         self.key = key
         self.kind = kind
-        view = batching.narrow(value, body.rows, size)
+        self.rows = rows
+        view = batching.narrow(value, rows, size, slices)
         if kind == "grad":
             # The body gets its own copy: autograd may pass one gradient tensor to several
             # branches, and an in-place edit must reach only the branch of this tensor.
@@ -86,6 +88,7 @@ class Session:
         self.wanted: dict = {}      # key -> number of bodies waiting for it
         self.points: dict = {}      # (module id, kind) or tensor id -> point
         self.served: list[Body] = []
+        self.slices: dict | None = None  # id(view) -> (view, full) for values split by invoke
         self.paused_value = None
         self.finished = False
         self.result = None
@@ -108,13 +111,14 @@ class Session:
         return self.run.hand(key, value)
 
     # -- the body side --------------------------------------------------------------------
-    def request(self, body: Body, key, passed_message) -> Stop:
-        """Stop where ``key`` fires and return the body's view of it."""
+    def request(self, body: Body, key, passed_message, rows=_UNSET) -> Stop:
+        """Stop where ``key`` fires and return the body's view of it (its ``rows`` of it)."""
         if body.stop is not None and body.stop.key == key:
             return body.stop
         if self.finished:
             raise OutOfOrderError(passed_message())
         body.pending = key
+        body.pending_rows = body.rows if rows is _UNSET else rows
         self.wanted[key] = self.wanted.get(key, 0) + 1
         try:
             if body.scheduler is None:
@@ -139,7 +143,8 @@ class Session:
             self.paused_value = value
             for body in self.bodies:
                 if body.pending == key:
-                    body.stop = Stop(key, value, body, self.kind_of(key), self.size)
+                    body.stop = Stop(key, value, body.pending_rows, self.kind_of(key), self.size,
+                                     self.slices)
                     self.served.append(body)
             return
         self.finished = True
@@ -173,10 +178,11 @@ class Session:
         served, self.served = self.served, []
         if not served:
             return None
-        if len(served) == 1 and served[0].rows is None:
-            reply = served[0].stop.reply()
+        if all(b.stop.rows is None for b in served):
+            replies = [r for r in (b.stop.reply() for b in served) if r is not None]
+            reply = replies[-1] if replies else None  # whole values: the last writer wins
         else:
-            pieces = [(b.rows, b.stop.reply()) for b in served]
+            pieces = [(b.stop.rows, b.stop.reply()) for b in served]
             reply = batching.merge(self.paused_value, pieces, self.size)
         for body in served:
             body.stop = None

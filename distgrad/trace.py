@@ -60,7 +60,8 @@ class Trace:
         self.invokes: list = []
         self.body: Body | None = None
         self.forward: Session | None = None
-        self.size = 0
+        self.backward: Session | None = None  # the batch's backward, in a trace with invokes
+        self.slices: dict = {}
 
     # -- the with-block -------------------------------------------------------------------
     def __enter__(self) -> "Trace":
@@ -111,6 +112,19 @@ class Trace:
             args, kwargs = batching.prepare(*self.raw_inputs, self.model._tokenizer)
             self.forward = self._session([self.body], args, kwargs)
         return self.forward
+
+    # -- invokes (invoke.py runs them) -------------------------------------------------------
+    def invoke_backward(self, body, block):
+        from .invoke import invoke_backward
+        invoke_backward(self, body, block)
+
+    def invoke_backward_done(self, body, block):
+        from .invoke import invoke_backward_done
+        invoke_backward_done(self, body, block)
+
+    def invoke_grad(self, body, tensor):
+        from .invoke import invoke_grad
+        return invoke_grad(self, body, tensor)
 
     def _session(self, bodies, args, kwargs) -> Session:
         if not args and not kwargs:

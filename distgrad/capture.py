@@ -1,0 +1,133 @@
+"""Deferred with-block bodies: lift the body of ``with tracer.invoke(...):`` out of its frame.
+
+An invoke body cannot run where it is written: the batch is known only once every invoke has
+been declared. So at ``__enter__`` we compile the body's statements (from the source, keeping the
+file name and line numbers, so tracebacks point at the user's own lines), make the interpreter
+skip them (a one-shot line trace that raises ``SkipBody``), and run the code later as a
+coroutine of the batched forward. Afterwards the names the body bound are written back into the
+caller's frame: a saved value as itself, anything else as a placeholder whose every use raises
+``NotSavedError`` saying what happened.
+"""
+from __future__ import annotations
+
+import ast
+import ctypes
+import linecache
+import sys
+
+from .errors import NotSavedError
+
+
+class SkipBody(Exception):
+    """Raised on the first line of a captured body so that it does not run in place."""
+
+
+_trees: dict = {}
+
+
+def capture(frame) -> tuple:
+    """Compile the body of the ``with`` statement that ``frame`` is entering."""
+    filename = frame.f_code.co_filename
+    lines = linecache.getlines(filename, frame.f_globals)
+    if not lines:
+        raise RuntimeError(f"distgrad cannot read the source of {filename}, so a "
+                           "`with tracer.invoke(...):` body there cannot be run later. Put "
+                           "the code in a file or notebook cell, or trace without invokes.")
+    source = "".join(lines)
+    tree = _trees.get(filename)
+    if tree is None or tree[0] != source:
+        tree = _trees[filename] = (source, ast.parse(source, filename))
+    line = frame.f_lineno
+    node = _innermost_with(tree[1], line)
+    if node is None:
+        raise RuntimeError(f"distgrad could not find the `with` statement at {filename}:{line}.")
+    if node.body[0].lineno <= max(item.context_expr.end_lineno for item in node.items):
+        raise SyntaxError(f"{filename}:{line}: put the body of `with tracer.invoke(...):` on its "
+                          "own lines; distgrad runs it later and cannot skip a one-line body.")
+    code = compile(ast.Module(body=node.body, type_ignores=[]), filename, "exec")
+    return code, _bound_names(node.body)
+
+
+def _innermost_with(tree, line: int):
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With) and node.lineno <= line <= max(
+                item.context_expr.end_lineno for item in node.items):
+            if best is None or node.lineno >= best.lineno:
+                best = node
+    return best
+
+
+def _bound_names(body) -> list[str]:
+    names: list[str] = []
+
+    def visit(node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+            return  # their insides are their own scope
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.append(node.id)
+        elif isinstance(node, ast.alias):
+            names.append((node.asname or node.name).split(".")[0])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    for stmt in body:
+        visit(stmt)
+    return list(dict.fromkeys(names))
+
+
+def skip(frame) -> None:
+    """Make ``frame`` raise ``SkipBody`` at its next line instead of running it."""
+    previous_global = sys.gettrace()
+    previous_local = frame.f_trace
+
+    def on_line(fr, event, arg):
+        if event == "line":
+            sys.settrace(previous_global)
+            fr.f_trace = previous_local
+            raise SkipBody()
+        return on_line
+
+    if previous_global is None:
+        sys.settrace(lambda *args: None)  # local tracing needs a global trace function
+    frame.f_trace_lines = True
+    frame.f_trace = on_line
+
+
+class NotSaved:
+    """Stands in for a name an invoke body bound without saving it."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str):
+        object.__setattr__(self, "_name", name)
+
+    def _fail(self, *args, **kwargs):
+        name = object.__getattribute__(self, "_name")
+        raise NotSavedError(
+            f"name {name!r} was bound inside a `with tracer.invoke(...):` block but not saved. "
+            f"Invoke bodies run when the batch runs, and only saved values come back: write "
+            f"`{name} = (...).save()` or `distgrad.save({name})` inside the invoke.")
+
+
+for _dunder in ("__getattr__", "__repr__", "__str__", "__bool__", "__len__", "__iter__",
+                "__getitem__", "__setitem__", "__call__", "__add__", "__radd__", "__sub__",
+                "__rsub__", "__mul__", "__rmul__", "__truediv__", "__matmul__", "__neg__",
+                "__float__", "__int__", "__index__", "__format__", "__eq__", "__lt__", "__gt__",
+                "__array__", "__contains__", "__setattr__"):
+    setattr(NotSaved, _dunder, NotSaved._fail)
+NotSaved.__hash__ = None
+
+
+def write_back(frame, values: dict) -> None:
+    """Bind ``values`` as names in the caller's frame (module, class or function scope)."""
+    if frame.f_locals is frame.f_globals or sys.version_info >= (3, 13):
+        for name, value in values.items():
+            frame.f_locals[name] = value
+        return
+    local = frame.f_locals
+    local.update(values)
+    ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))

@@ -1,0 +1,185 @@
+"""Invokes: several inputs in one batch, each body seeing only its own rows.
+
+    with model.trace() as tr:
+        with tr.invoke("The Eiffel Tower is in"):
+            a = model.transformer.h[0].output.save()      # rows of this invoke only
+        with tr.invoke(["Paris is", "Rome is"]):
+            b = model.transformer.h[0].output.save()
+
+Each body is captured (``capture.py``) and run at the end of the trace block as a greenlet. The
+scheduler here runs one forward over the joined batch and, at every hook point, serves the bodies
+waiting there in invoke order, each with its own rows; their edits are merged back row-wise. If
+bodies open backward blocks, one backward runs over the sum of their losses and gradients are
+served the same way.
+"""
+from __future__ import annotations
+
+import sys
+
+import greenlet
+import torch
+
+from . import batching, capture
+from .errors import OutOfOrderError, TraceStateError
+from .session import BODIES, Body, Session
+
+_BACKWARD = ("backward", "start")
+_BACKWARD_DONE = ("backward", "done")
+
+
+class Invoke:
+    def __init__(self, trace, args: tuple, kwargs: dict):
+        self.trace = trace
+        self.inputs = (args, kwargs)
+        self.frame = None
+        self.code = None
+        self.names: list[str] = []
+
+    def __enter__(self) -> "Invoke":
+        frame = sys._getframe(1)
+        self.code, self.names = capture.capture(frame)
+        self.frame = frame
+        self.trace.invokes.append(self)
+        capture.skip(frame)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return exc_type is capture.SkipBody
+
+
+def run_invokes(trace) -> None:
+    invokes = trace.invokes
+    frame = invokes[0].frame
+    args, kwargs, rows = batching.join([inv.inputs for inv in invokes], trace.model._tokenizer)
+    scheduler = greenlet.getcurrent()
+    bodies = [Body(trace, rows=r, index=i, scheduler=scheduler) for i, r in enumerate(rows)]
+    trace.forward = trace._session(bodies, args, kwargs)
+    trace.forward.slices = trace.slices = {}
+    trace.backward = None
+    namespace = {**frame.f_globals, **frame.f_locals}
+    glets = []
+    for inv, body in zip(invokes, bodies):
+        glet = greenlet.greenlet(lambda code=inv.code: exec(code, namespace))
+        BODIES[glet] = body
+        glets.append(glet)
+    try:
+        _schedule(trace, bodies, glets)
+    finally:
+        for glet in glets:
+            BODIES.pop(glet, None)
+            if glet and not glet.dead:
+                glet.throw(greenlet.GreenletExit)
+        if trace.backward is not None:
+            if not trace.backward.finished:
+                trace.backward.abort()
+            trace.backward.close()
+    saved = {id(v) for body in bodies for v in body.saves}
+    trace.body.saves.extend(v for body in bodies for v in body.saves)
+    names = {}
+    for inv in invokes:
+        for name in inv.names:
+            if name in namespace:
+                value = namespace[name]
+                names[name] = value if id(value) in saved else capture.NotSaved(name)
+    capture.write_back(frame, names)
+
+
+def _schedule(trace, bodies: list[Body], glets: list) -> None:
+    live = dict(zip(map(id, bodies), glets))
+
+    def wake(body):
+        glet = live[id(body)]
+        glet.switch()
+        if glet.dead:
+            live.pop(id(body))
+
+    for body in bodies:
+        wake(body)
+    while live:
+        waiting = [b for b in bodies if id(b) in live]
+        session = trace.backward if trace.forward.finished else trace.forward
+        if session is not None and not session.finished and any(
+                b.pending in session.wanted for b in waiting):
+            session.advance()
+            served = [b for b in waiting if b.stop is not None and b.pending is not None]
+            if session.finished:
+                served = [b for b in waiting if b.pending in session.wanted]
+            for body in served:
+                wake(body)
+            continue
+        if not trace.forward.finished:
+            trace.forward.finish()
+            continue
+        starting = [b for b in waiting if b.pending == _BACKWARD]
+        if starting and trace.backward is None:
+            trace.backward = _backward_session(trace, bodies)
+            for body in starting:
+                wake(body)
+            continue
+        if trace.backward is not None and not trace.backward.finished:
+            trace.backward.finish()
+            continue
+        done = [b for b in waiting if b.pending == _BACKWARD_DONE]
+        for body in (done or waiting):  # a body still waiting now waits for nothing that comes
+            wake(body)
+
+
+def _backward_session(trace, bodies: list[Body]) -> Session:
+    blocks = [b.block for b in bodies if b.pending == _BACKWARD]
+    first = blocks[0]
+    if any(b.kwargs != first.kwargs for b in blocks):
+        raise TraceStateError("the invokes' backward blocks pass different keyword arguments "
+                              "to backward(); one backward runs for the whole batch.")
+
+    def run():
+        if all(not b.args for b in blocks):
+            total = sum(b.tensor for b in blocks[1:]) + blocks[0].tensor if len(blocks) > 1 \
+                else blocks[0].tensor
+            return first.backend.backward(total, first.fn, (), first.kwargs)
+        grads = [b.args[0] if b.args else None for b in blocks]
+        return torch.autograd.backward([b.tensor for b in blocks], grads, **first.kwargs)
+
+    from .backward import _threaded
+    session = Session("backward", run, bodies, size=trace.forward.size,
+                      threaded=_threaded(first.tensor))
+    session.slices = trace.slices
+    return session
+
+
+def _wait(body: Body, key) -> None:
+    body.pending = key
+    try:
+        body.scheduler.switch()
+    finally:
+        body.pending = None
+
+
+def invoke_backward(trace, body: Body, block) -> None:
+    body.block = block
+    _wait(body, _BACKWARD)
+    if trace.backward is None:
+        raise TraceStateError("the batch's backward could not start.")
+
+
+def invoke_backward_done(trace, body: Body, block) -> None:
+    _wait(body, _BACKWARD_DONE)
+
+
+def invoke_grad(trace, body: Body, tensor: torch.Tensor):
+    from .backward import grad_passed
+    session = trace.backward
+    entry = trace.slices.get(id(tensor))
+    full, rows = (entry[1], body.rows) if entry is not None and entry[0] is tensor else (tensor, None)
+    label = body.label_of(tensor)
+    if not tensor.requires_grad:
+        raise ValueError(f"{label}.grad: no gradient flows into it, because it does not require grad.")
+    point = session.grad_point(full, label)
+    stop = body.stop
+    if stop is not None and stop.key[0] is point:
+        return stop
+    key = (point, point.calls)
+    return session.request(body, key, lambda: grad_passed(label, body.block.tensor, tensor, body),
+                           rows=rows)
+
+
+__all__ = ["Invoke", "run_invokes", "OutOfOrderError"]

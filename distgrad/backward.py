@@ -216,9 +216,9 @@ def _grad_stop(body: Body, block: BackwardTracer, tensor: torch.Tensor):
     return session.request(body, key, lambda: grad_passed(label, block.tensor, tensor, body))
 
 
-def grad_passed(label: str, root: torch.Tensor, tensor: torch.Tensor, body: Body) -> str:
+def grad_passed(label: str, root: torch.Tensor, tensor: torch.Tensor, body: Body):
     if not _reaches(root.grad_fn, tensor.grad_fn):
-        return (f"{label}.grad: the backward of {body.label_of(root)} finished without a "
+        return ValueError(f"{label}.grad: the backward of {body.label_of(root)} finished without a "
                 f"gradient reaching {label}; it is not on the path from that tensor to the "
                 f"inputs. Open the backward block on a tensor computed from {label}.")
     return (f"{label}.grad was requested after the backward had passed it. Gradients arrive in "

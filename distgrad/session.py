@@ -79,6 +79,13 @@ class Stop:
         return None
 
 
+def _passed(passed_message) -> Exception:
+    """The error for a key the run went past: ``passed_message()`` gives the text, or the whole
+    exception when the cause is not ordering (a tensor no gradient reaches)."""
+    found = passed_message()
+    return found if isinstance(found, Exception) else OutOfOrderError(found)
+
+
 class Session:
     def __init__(self, kind: str, fn, bodies: list[Body], size: int = 0, threaded: bool = False):
         self.kind = kind            # "forward" or "backward"
@@ -116,7 +123,7 @@ class Session:
         if body.stop is not None and body.stop.key == key:
             return body.stop
         if self.finished:
-            raise OutOfOrderError(passed_message())
+            raise _passed(passed_message)
         body.pending = key
         body.pending_rows = body.rows if rows is _UNSET else rows
         self.wanted[key] = self.wanted.get(key, 0) + 1
@@ -132,7 +139,7 @@ class Session:
                 self.wanted[key] = left
         if body.stop is not None and body.stop.key == key:
             return body.stop
-        raise OutOfOrderError(passed_message())
+        raise _passed(passed_message)
 
     def advance(self) -> None:
         """Resume the run with the bodies' replies until it pauses at a wanted key or ends."""

@@ -1,0 +1,123 @@
+"""Shared models and the plain-autograd oracle.
+
+Every test compares distgrad against the same computation done with plain PyTorch (forward
+hooks, tensor hooks, retain_grad, torch.autograd.grad) on the same model and input. Models are
+built once per worker from configs (random weights, dropout off) and their parameter gradients
+are cleared before each test. Tolerance: fp32, atol 1e-6 for values distgrad hands over
+unchanged, 1e-5 for parameter gradients (the same ops run in both, so they agree to rounding).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import distgrad
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+torch.set_num_threads(1)
+
+ATOL = 1e-6
+PARAM_ATOL = 1e-5
+TEXT = "The Eiffel Tower is in"
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return ByT5Tokenizer()
+
+
+@pytest.fixture(scope="session")
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=384)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def _llama():
+    torch.manual_seed(1)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=384)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def _mlp():
+    torch.manual_seed(2)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _fresh(net):
+    net.zero_grad(set_to_none=True)
+    return net
+
+
+@pytest.fixture
+def gpt2(_gpt2):
+    return _fresh(_gpt2)
+
+
+@pytest.fixture
+def llama(_llama):
+    return _fresh(_llama)
+
+
+@pytest.fixture
+def mlp(_mlp):
+    return _fresh(_mlp)
+
+
+@pytest.fixture(params=["greenlet", "thread"])
+def backward_mode(request):
+    """Run a backward test with the backward in a greenlet and in a worker thread (the CUDA path)."""
+    old = distgrad.config.backward_mode
+    distgrad.config.backward_mode = request.param
+    yield request.param
+    distgrad.config.backward_mode = old
+
+
+def param_grads(net) -> dict:
+    return {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
+
+
+def assert_param_grads(net, expected: dict, atol=PARAM_ATOL):
+    got = param_grads(net)
+    assert got.keys() == expected.keys()
+    for name, g in expected.items():
+        torch.testing.assert_close(got[name], g, atol=atol, rtol=0, msg=name)
+
+
+def reference(net, inputs: dict | torch.Tensor, module, edit=None, loss_fn=None):
+    """Plain autograd: the output of ``module``, the gradient reaching it, and parameter grads
+    after optionally replacing that gradient with ``edit(grad)``."""
+    net.zero_grad(set_to_none=True)
+    seen = {}
+
+    def on_output(mod, args, out):
+        seen["out"] = out
+
+        def on_grad(grad):
+            seen["grad"] = grad.detach().clone()
+            return edit(grad) if edit is not None else None
+
+        out.register_hook(on_grad)
+
+    handle = module.register_forward_hook(on_output)
+    try:
+        out = net(**inputs) if isinstance(inputs, dict) else net(inputs)
+    finally:
+        handle.remove()
+    logits = out.logits if hasattr(out, "logits") else out
+    loss = loss_fn(logits) if loss_fn else logits.sum()
+    loss.backward()
+    grads = param_grads(net)
+    net.zero_grad(set_to_none=True)
+    return seen["out"].detach(), seen["grad"], grads
+
+
+def hook_count(net) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules())

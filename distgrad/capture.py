@@ -45,7 +45,18 @@ def capture(frame) -> tuple:
         raise SyntaxError(f"{filename}:{line}: put the body of `with tracer.invoke(...):` on its "
                           "own lines; distgrad runs it later and cannot skip a one-line body.")
     code = compile(ast.Module(body=node.body, type_ignores=[]), filename, "exec")
-    return code, _bound_names(node.body)
+    return code, _bound_names(node.body), _first_real_line(node.body)
+
+
+def _first_real_line(body) -> int | None:
+    """Line of the first statement that does something. ``pass`` and bare constants compile to
+    NOPs that no exception handler covers, so the skip must fire on a later line; a body of
+    only such statements needs no skipping at all."""
+    for stmt in body:
+        if not (isinstance(stmt, ast.Pass) or
+                (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))):
+            return stmt.lineno
+    return None
 
 
 def _innermost_with(tree, line: int):
@@ -79,13 +90,15 @@ def _bound_names(body) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def skip(frame) -> None:
-    """Make ``frame`` raise ``SkipBody`` at its next line instead of running it."""
+def skip(frame, line: int | None) -> None:
+    """Make ``frame`` raise ``SkipBody`` when it reaches ``line`` instead of running it."""
+    if line is None:
+        return
     previous_global = sys.gettrace()
     previous_local = frame.f_trace
 
     def on_line(fr, event, arg):
-        if event == "line":
+        if event == "line" and fr.f_lineno == line:
             sys.settrace(previous_global)
             fr.f_trace = previous_local
             raise SkipBody()

@@ -37,10 +37,10 @@ class Invoke:
 
     def __enter__(self) -> "Invoke":
         frame = sys._getframe(1)
-        self.code, self.names = capture.capture(frame)
+        self.code, self.names, first_line = capture.capture(frame)
         self.frame = frame
         self.trace.invokes.append(self)
-        capture.skip(frame)
+        capture.skip(frame, first_line)
         return self
 
     def __exit__(self, exc_type, exc, tb):

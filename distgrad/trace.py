@@ -155,7 +155,8 @@ class Trace:
             # module a (counting, silent) output point before the run enters it keeps
             # `model.output` and other enclosing outputs reachable later in the body.
             for outer in envoy._ancestors():
-                session.module_point(outer._module, outer._path, "output")
+                if not isinstance(outer._module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                    session.module_point(outer._module, outer._path, "output")
             session.module_point(self.engine.root, "model", "output")
         if call is None:
             stop = body.stop

@@ -1,0 +1,122 @@
+"""Nothing is left behind: hooks, the .grad property, threads, greenlets - after success, after
+errors, and over many traces; and traces work inside functions, loops and classes."""
+import gc
+import threading
+
+import pytest
+import torch
+
+import distgrad
+from distgrad.session import BODIES
+from conftest import ATOL, TEXT, hook_count
+
+
+
+def _clean(net):
+    assert hook_count(net) == 0
+    assert "grad" not in torch.Tensor.__dict__
+    assert not BODIES
+
+
+def _step(model, x, edit=True):
+    with model.trace(x):
+        h = model[2].output
+        out = model.output
+        with out.sum().backward():
+            g = h.grad.save()
+            if edit:
+                h.grad = h.grad * 2
+    return g
+
+
+@pytest.mark.usefixtures("backward_mode")
+def test_thousand_traces_leave_no_hooks_or_threads(mlp):
+    model = distgrad.wrap(mlp)
+    x = torch.randn(4, 8)
+    _step(model, x)
+    gc.collect()
+    threads = threading.active_count()
+    for _ in range(1000):
+        _step(model, x)
+    gc.collect()
+    _clean(mlp)
+    assert threading.active_count() == threads
+    # a grad hook left on the activation would fire again in a later plain backward
+    out = mlp(x).sum()
+    out.backward()
+
+
+@pytest.mark.usefixtures("backward_mode")
+@pytest.mark.parametrize("where", ["forward", "backward", "model"])
+def test_errors_leave_nothing_behind(mlp, where):
+    model = distgrad.wrap(mlp)
+    x = torch.randn(2, 8)
+    threads = threading.active_count()
+
+    class Boom(Exception):
+        pass
+
+    def bad_forward(module, args, out):
+        raise Boom("from the model")
+
+    handle = mlp[4].register_forward_hook(bad_forward) if where == "model" else None
+    try:
+        with pytest.raises(Boom) as info:
+            with model.trace(x):
+                h = model[2].output
+                if where == "forward":
+                    raise Boom("in the body")  # the user's line
+                out = model.output
+                with out.sum().backward():
+                    h.grad
+                    raise Boom("in the block")
+    finally:
+        if handle is not None:
+            handle.remove()
+    if where != "model":
+        assert any("raise Boom" in str(entry.statement) for entry in info.traceback)
+    _clean(mlp)
+    assert threading.active_count() == threads
+    # and the model still works normally, traced or not
+    g = _step(model, x)
+    assert g.shape == (2, 16)
+    _clean(mlp)
+
+
+class Probe:
+    """distgrad used from a class, in a loop, with the body in a method."""
+
+    def __init__(self, net):
+        self.model = distgrad.wrap(net)
+
+    def grads(self, xs):
+        found = []
+        for x in xs:
+            with self.model.trace(x):
+                h = self.model[0].output
+                with self.model.output.sum().backward():
+                    found.append(h.grad.save())
+        return found
+
+
+def test_functions_loops_and_classes(mlp):
+    xs = [torch.randn(2, 8) for _ in range(3)]
+    got = Probe(mlp).grads(xs)
+    for x, g in zip(xs, got):
+        h = mlp[0](x)
+        (ref,) = torch.autograd.grad(mlp[1:](h).sum(), h)
+        torch.testing.assert_close(g, ref, atol=ATOL, rtol=0)
+
+
+def test_untouched_trace_adds_no_hooks(gpt2, tokenizer):
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    seen = []
+    with model.trace(TEXT):
+        seen.append(hook_count(gpt2))
+    assert seen == [0]
+    with model.trace(TEXT):
+        model.transformer.h[0].output
+        # the requested module plus the modules enclosing it (see Trace.stop_at)
+        seen.append(hook_count(gpt2))
+    assert seen[1] == 3
+    _clean(gpt2)

@@ -1,0 +1,131 @@
+"""Invokes: one batch, each body sees and edits only its own rows, forward and backward."""
+import pytest
+import torch
+
+import distgrad
+from conftest import ATOL
+
+TEXTS = ["Hello world", "Paris is", "Rome isnt"]
+
+
+def _batch_reference(net, tokenizer, edit_rows=None, grad_edit_rows=None):
+    enc = dict(tokenizer(TEXTS, return_tensors="pt", padding=True))
+    seen = {}
+
+    def on_output(mod, args, out):
+        if edit_rows is not None:
+            out = out.clone()
+            out[edit_rows] = 0
+        seen["out"] = out
+
+        def on_grad(g):
+            seen["grad"] = g.clone()
+            if grad_edit_rows is not None:
+                g = g.clone()
+                g[grad_edit_rows] *= 10
+                return g
+            return None
+
+        out.register_hook(on_grad)
+        return out
+
+    net.zero_grad(set_to_none=True)
+    h = net.transformer.h[0].register_forward_hook(on_output)
+    out = net(**enc)
+    h.remove()
+    out.logits.sum().backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+    net.zero_grad(set_to_none=True)
+    return seen["out"].detach(), out.logits.detach(), seen["grad"], grads
+
+
+def test_each_invoke_sees_its_rows_and_edits_only_them(gpt2, tokenizer):
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    with model.trace() as tr:
+        with tr.invoke(TEXTS[0]):
+            a = model.transformer.h[0].output.save()
+            model.transformer.h[0].output[:] = 0
+            la = model.output.logits.save()
+        with tr.invoke(TEXTS[1:]):
+            b = model.transformer.h[0].output.save()
+            lb = model.output.logits.save()
+    _, ref_plain, _, _ = _batch_reference(gpt2, tokenizer)
+    ref_out, ref_edit, _, _ = _batch_reference(gpt2, tokenizer, edit_rows=slice(0, 1))
+    assert a.shape[0] == 1 and b.shape[0] == 2
+    torch.testing.assert_close(b, ref_out[1:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(la, ref_edit[:1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(lb, ref_plain[1:], atol=ATOL, rtol=0)  # untouched by invoke 0
+
+
+def test_invoke_backward_rows_and_edit(gpt2, tokenizer, backward_mode):
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    with model.trace() as tr:
+        with tr.invoke(TEXTS[0]):
+            a = model.transformer.h[0].output
+            with model.output.logits.sum().backward():
+                ga = a.grad.save()
+                a.grad = a.grad * 10
+        with tr.invoke(TEXTS[1:]):
+            b = model.transformer.h[0].output
+            with model.output.logits.sum().backward():
+                gb = b.grad.save()
+    got = {n: p.grad.clone() for n, p in gpt2.named_parameters()}
+    _, _, ref_grad, ref = _batch_reference(gpt2, tokenizer, grad_edit_rows=slice(0, 1))
+    torch.testing.assert_close(ga, ref_grad[:1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(gb, ref_grad[1:], atol=ATOL, rtol=0)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=0)
+
+
+def test_unsaved_invoke_names_explain_themselves(mlp):
+    def traced():
+        with distgrad.wrap(mlp).trace() as tr:
+            with tr.invoke(torch.randn(2, 8)):
+                kept = mlp_out = distgrad.save(tr.model[2].output)
+                dropped = tr.model[4].output
+        return kept, dropped, mlp_out
+
+    kept, dropped, alias = traced()
+    assert kept.shape == (2, 16) and alias is kept
+    with pytest.raises(distgrad.NotSavedError, match="'dropped' was bound inside"):
+        print(dropped)
+    with pytest.raises(NameError):
+        dropped + 1
+
+
+def test_invoke_tensor_inputs_match_separate_runs(mlp):
+    x1, x2 = torch.randn(2, 8), torch.randn(3, 8)
+    model = distgrad.wrap(mlp)
+    with model.trace() as tr:
+        with tr.invoke(x1):
+            o1 = model.output.save()
+        with tr.invoke(x2):
+            o2 = model.output.save()
+    with torch.no_grad():
+        torch.testing.assert_close(o1, mlp(x1), atol=ATOL, rtol=0)
+        torch.testing.assert_close(o2, mlp(x2), atol=ATOL, rtol=0)
+
+
+def test_invoke_misuse(mlp):
+    model = distgrad.wrap(mlp)
+    with pytest.raises(distgrad.TraceStateError, match="inside the `with tracer.invoke"):
+        with model.trace() as tr:
+            with tr.invoke(torch.randn(2, 8)):
+                pass
+            model.output
+    with pytest.raises(ValueError, match="pad them"):
+        with model.trace() as tr:
+            with tr.invoke(torch.randn(2, 8)):
+                pass
+            with tr.invoke(torch.randn(2, 5)):
+                pass
+
+
+def test_error_in_an_invoke_body_points_at_the_users_line(mlp):
+    model = distgrad.wrap(mlp)
+    with pytest.raises(ZeroDivisionError) as info:
+        with model.trace() as tr:
+            with tr.invoke(torch.randn(2, 8)):
+                model[0].output
+                1 / 0  # the line the traceback must show
+    assert any(entry.statement.lines and "1 / 0" in str(entry.statement) for entry in info.traceback)

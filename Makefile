@@ -1,0 +1,32 @@
+# Everything a fresh machine needs: `make demo`, `make test`, `make bench`, `make docs`.
+# torch is installed first, pinned to the CPU wheel; every later install runs under
+# constraints.txt so that nothing can swap it for a multi-GB CUDA build.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip --disable-pip-version-check -q
+STAMP   = $(VENV)/.installed
+
+.PHONY: demo test docs bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -c constraints.txt -e '.[test,docs]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m distgrad.demo --check
+
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+
+test: docs
+	$(PY) -m pytest -n auto -q
+
+bench: $(STAMP)
+	$(PIP) install -c constraints.txt -e '.[bench]'
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) docs/_build .pytest_cache

@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from . import engines, saving
+from . import engines, gradpatch, saving
 from .backward import BackwardTracer, config
 from .errors import NotSavedError, OutOfOrderError, TraceStateError
 from .saving import save
@@ -33,6 +33,7 @@ def wrap(module, tokenizer=None) -> Model:
 
 BackwardTracer.install()
 saving.install()
+gradpatch.install()
 
 __all__ = ["wrap", "save", "BackwardTracer", "Model", "Trace", "OutOfOrderError",
            "NotSavedError", "TraceStateError", "config", "engines"]

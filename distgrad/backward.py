@@ -16,9 +16,10 @@ from typing import Any, Callable
 import greenlet
 import torch
 
-from . import gradpatch
 from .errors import OutOfOrderError, TraceStateError
 from .session import BODIES, Body, Session, current_body
+
+PLAIN = object()  # read_grad's answer when the read is PyTorch's own
 
 config = types.SimpleNamespace(backward_mode="auto")
 """``backward_mode``: ``"auto"`` (greenlet for a CPU backward, a worker thread when CUDA is in use),
@@ -72,7 +73,6 @@ class BackwardTracer:
         if body is None:
             body = Body(None)
             BODIES[greenlet.getcurrent()] = body
-            gradpatch.acquire()
             self._own_body = True
         self._body = body
         try:
@@ -113,7 +113,6 @@ class BackwardTracer:
     def _leave(self):
         if self._own_body:
             BODIES.pop(greenlet.getcurrent(), None)
-            gradpatch.release()
             self._own_body = False
 
     def _run(self):
@@ -190,7 +189,7 @@ def read_grad(body: Body, tensor: torch.Tensor):
             raise TraceStateError(
                 f"{body.label_of(tensor)}.grad was read outside a backward block. Gradients "
                 f"exist only while the backward runs: read it inside `with loss.backward():`.")
-        return gradpatch._PLAIN_MARK
+        return PLAIN
     return _grad_stop(body, block, tensor).view if block.session is not None else \
         body.trace.invoke_grad(body, tensor).view
 

@@ -1,16 +1,19 @@
-"""``.grad`` inside a body: the one class attribute distgrad swaps, and why nobody else notices.
+"""``.grad`` inside a body: the one class attribute distgrad adds, and why nobody else notices.
 
-While a trace or a backward block is open, ``torch.Tensor.grad`` is a property that first asks
-"is the caller a with-block body?" (its greenlet is in ``BODIES``). Only then, and only for a tensor
-of the graph that is not an ``nn.Parameter`` and does not ``retain_grad()``, is the read or write
-served by distgrad. Every other caller - an optimizer, FSDP's post-backward, DeepSpeed's ZeRO
-hooks, a ``register_post_accumulate_grad_hook`` - runs on autograd's thread, in the run's greenlet
-or outside any body, and gets PyTorch's own descriptor. When the last trace closes the class
-attribute is deleted again, so outside traces ``Tensor.grad`` is untouched C code.
+``install()`` (run at import) puts a property named ``grad`` on ``torch.Tensor`` that first asks
+"is the caller a with-block body?" (its greenlet is in ``BODIES``; with no trace open that is one
+empty-dict check). Only then, and only for a tensor of the graph that is not an ``nn.Parameter``
+and does not ``retain_grad()``, is the read or write served by distgrad. Every other caller - an
+optimizer, FSDP's post-backward, DeepSpeed's ZeRO hooks, a ``register_post_accumulate_grad_hook``
+- runs on autograd's thread, in the run's greenlet or outside any body, and gets PyTorch's own
+descriptor, so it sees exactly what it would without distgrad.
+
+Why once at import and not per trace: changing a class attribute of ``torch.Tensor`` resets
+CPython's specialised bytecode for every tensor method call site, which cost ~80 us on the next
+forward of a tiny GPT-2 (measured: ``benchmarks/overhead.py`` history in docs/performance.rst);
+the property itself costs ~0.1 us per ``.grad`` access.
 """
 from __future__ import annotations
-
-import threading
 
 import greenlet
 import torch
@@ -19,8 +22,6 @@ from .session import BODIES
 
 _PLAIN = torch._C.TensorBase.__dict__["grad"]
 _getcurrent = greenlet.getcurrent
-_lock = threading.Lock()
-_depth = 0
 
 
 def _served(tensor) -> bool:
@@ -31,9 +32,9 @@ def _get(tensor):
     if BODIES:
         body = BODIES.get(_getcurrent())
         if body is not None and _served(tensor):
-            from .backward import read_grad
+            from .backward import PLAIN, read_grad
             value = read_grad(body, tensor)
-            if value is not _PLAIN_MARK:
+            if value is not PLAIN:
                 return value
     return _PLAIN.__get__(tensor, type(tensor))
 
@@ -52,25 +53,14 @@ def _delete(tensor):
     _PLAIN.__delete__(tensor)
 
 
-_PLAIN_MARK = object()
 _PROPERTY = property(_get, _set, _delete, _PLAIN.__doc__)
 
 
-def acquire() -> None:
-    global _depth
-    with _lock:
-        if _depth == 0:
-            torch.Tensor.grad = _PROPERTY
-        _depth += 1
+def install() -> None:
+    """Add the body-aware ``grad`` property to ``torch.Tensor``. Idempotent."""
+    if torch.Tensor.__dict__.get("grad") is not _PROPERTY:
+        torch.Tensor.grad = _PROPERTY
 
 
-def release() -> None:
-    global _depth
-    with _lock:
-        _depth -= 1
-        if _depth == 0 and torch.Tensor.__dict__.get("grad") is _PROPERTY:
-            del torch.Tensor.grad
-
-
-def is_patched() -> bool:
-    return "grad" in torch.Tensor.__dict__
+def is_installed() -> bool:
+    return torch.Tensor.__dict__.get("grad") is _PROPERTY

@@ -31,28 +31,58 @@ class _Abort(BaseException):
 def _outcome(fn):
     try:
         return ("done", fn())
-    except _Abort:
+    except (_Abort, greenlet.GreenletExit) as exc:
+        if isinstance(exc, greenlet.GreenletExit):
+            raise
         return ("aborted", None)
     except BaseException as exc:  # handed to the body, which re-raises it
         return ("error", exc)
 
 
+# A new greenlet allocates a fresh interpreter data stack the first time it runs Python, which
+# made a tiny forward 40 us slower than the same forward run directly. So each thread keeps
+# idle runner greenlets and reuses them: one is created per thread, more only for nested runs.
+_idle = threading.local()
+
+
+def _runner(fn):
+    while True:
+        fn = greenlet.getcurrent().parent.switch(_outcome(fn))
+
+
+def _take_runner() -> greenlet.greenlet:
+    pool = getattr(_idle, "runners", None)
+    if pool is None:
+        pool = _idle.runners = []
+    return pool.pop() if pool else greenlet.greenlet(_runner)
+
+
+def _give_back(glet) -> None:
+    if not glet.dead:
+        _idle.runners.append(glet)
+
+
 class GreenletRun:
     def __init__(self, fn):
         self.fn = fn
-        self.glet = greenlet.greenlet(lambda _reply: _outcome(fn))
+        self.glet = None
         self.finished = False
 
     @property
     def started(self) -> bool:
-        return bool(self.glet) or self.finished
+        return self.glet is not None or self.finished
 
     def resume(self, reply=None):
         # The run returns to whoever resumed it: the body, or the invoke scheduler.
-        self.glet.parent = greenlet.getcurrent()
-        event = self.glet.switch(reply)
-        if self.glet.dead:
-            self.finished = True
+        if self.glet is None:
+            self.glet = _take_runner()
+            self.glet.parent = greenlet.getcurrent()
+            event = self.glet.switch(self.fn)
+        else:
+            self.glet.parent = greenlet.getcurrent()
+            event = self.glet.switch(reply)
+        if event[0] != "point":
+            self._done()
         return event
 
     def hand(self, key, value):
@@ -64,10 +94,16 @@ class GreenletRun:
         return self.glet.parent.switch(("point", key, value))
 
     def abort(self):
-        if self.glet and not self.glet.dead:
+        if self.glet is not None:
             self.glet.parent = greenlet.getcurrent()
             self.glet.throw(_Abort())
+            self._done()
         self.finished = True
+
+    def _done(self):
+        self.finished = True
+        _give_back(self.glet)
+        self.glet = None
 
 
 class ThreadRun:

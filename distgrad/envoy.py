@@ -100,6 +100,8 @@ class Envoy:
 
     @property
     def output(self):
+        """What the module returned (its next call, or the call the run is paused at).
+        Assign to replace it for everything downstream."""
         body, stop = self._stop("output")
         value = stop.replacement if stop.replacement is not _UNSET else stop.view
         body.remember(value, f"{self._path}.output")

@@ -46,8 +46,17 @@ class Body:
         return entry[1] if entry is not None and entry[0] is tensor else describe_tensor(tensor)
 
     def remember(self, value, label: str) -> None:
+        """Name the tensors in a value handed to the body, for error messages."""
         if isinstance(value, torch.Tensor):
             self.labels[id(value)] = (value, label)
+        elif isinstance(value, dict):  # ModelOutput too: model.output.logits
+            for key, item in value.items():
+                if isinstance(item, torch.Tensor):
+                    self.labels[id(item)] = (item, f"{label}.{key}")
+        elif isinstance(value, (tuple, list)):
+            for i, item in enumerate(value):
+                if isinstance(item, torch.Tensor):
+                    self.labels[id(item)] = (item, f"{label}[{i}]")
 
 
 class Stop:

@@ -40,6 +40,7 @@ class Model(Envoy):
 
     @property
     def output(self):
+        """The output of the whole model's forward (of the engine's wrapper, if any)."""
         return Envoy.output.fget(self._root)
 
     @output.setter
@@ -52,6 +53,11 @@ class Model(Envoy):
 
 
 class Trace:
+    """One ``with model.trace(...):`` block: a forward whose values the body reads and edits.
+
+    Returned by :meth:`Model.trace` and :meth:`Model.generate`; use it as a context manager and,
+    for batched inputs, open :meth:`invoke` blocks inside it."""
+
     def __init__(self, model: Model, method: str, args: tuple, kwargs: dict):
         self.model = model
         self.engine = model._engine

@@ -14,10 +14,10 @@ import torch
 class Engine:
     """How distgrad drives one wrapped object.
 
-    ``model``   the user's own module tree: paths such as ``model.transformer.h[0]`` are looked up
-                in it, so wrapper prefixes (``module.``, ``_fsdp_wrapped_module.``) never show.
-    ``forward`` calls the wrapper, so the engine's own forward hooks run.
-    ``root``    the module whose output is ``model.output``.
+    * ``model`` is the user's own module tree: paths such as ``model.transformer.h[0]`` are
+      looked up in it, so wrapper prefixes (``module.``, ``_fsdp_wrapped_module.``) never show.
+    * ``forward`` calls the wrapper, so the engine's own forward hooks run.
+    * ``root`` is the module whose output is ``model.output``.
     """
 
     name = "base"

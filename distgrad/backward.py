@@ -190,33 +190,35 @@ def read_grad(body: Body, tensor: torch.Tensor):
                 f"{body.label_of(tensor)}.grad was read outside a backward block. Gradients "
                 f"exist only while the backward runs: read it inside `with loss.backward():`.")
         return PLAIN
-    return _grad_stop(body, block, tensor).view if block.session is not None else \
-        body.trace.invoke_grad(body, tensor).view
+    return grad_stop(body, tensor).value()
 
 
 def write_grad(body: Body, tensor: torch.Tensor, value) -> None:
-    block = body.block
-    stop = _grad_stop(body, block, tensor) if block.session is not None else \
-        body.trace.invoke_grad(body, tensor)
-    stop.replace(value, body.label_of(tensor) + ".grad")
+    grad_stop(body, tensor).replace(value, body.label_of(tensor) + ".grad")
 
 
-def _grad_stop(body: Body, block: BackwardTracer, tensor: torch.Tensor):
-    label = body.label_of(tensor)
-    if not tensor.requires_grad:
-        raise ValueError(f"{label}.grad: no gradient flows into it, because it does not require "
-                         f"grad (computed under torch.no_grad() or from frozen inputs only).")
-    session = block.session
-    point = session.grad_point(tensor, label)
+def grad_stop(body: Body, tensor: torch.Tensor):
+    """Where the body reads or writes ``tensor.grad``: stop the backward there."""
     stop = body.stop
-    if stop is not None and stop.key[0] is point:
-        return stop
+    if stop is not None and stop.tensor is tensor:
+        return stop  # already there (the common ``t.grad = t.grad * 2``)
+    block = body.block
+    if block.session is None:
+        return body.trace.invoke_grad(body, tensor)
+    if not tensor.requires_grad:
+        raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because it "
+                         f"does not require grad (computed under torch.no_grad() or from frozen "
+                         f"inputs only).")
+    session = block.session
+    point = session.grad_point(tensor)
     key = (point, point.calls)
-    return session.request(body, key, lambda: grad_passed(label, block.tensor, tensor, body))
+    return session.request(body, key, lambda: grad_passed(block.tensor, tensor, body),
+                           tensor=tensor)
 
 
-def grad_passed(label: str, root: torch.Tensor, tensor: torch.Tensor, body: Body):
-    if not _reaches(root.grad_fn, tensor.grad_fn):
+def grad_passed(root: torch.Tensor, tensor: torch.Tensor, body: Body):
+    label = body.label_of(tensor)  # worded only on this error path: naming costs ~14 us
+    if not _reaches(root.grad_fn, tensor):
         return ValueError(f"{label}.grad: the backward of {body.label_of(root)} finished without a "
                 f"gradient reaching {label}; it is not on the path from that tensor to the "
                 f"inputs. Open the backward block on a tensor computed from {label}.")
@@ -225,13 +227,16 @@ def grad_passed(label: str, root: torch.Tensor, tensor: torch.Tensor, body: Body
             f"model.h[1].output.grad before model.h[0].output.grad).")
 
 
-def _reaches(start, target) -> bool:
-    if start is None or target is None:
-        return target is None and start is not None
+def _reaches(start, tensor) -> bool:
+    """Whether the graph from ``start`` leads to ``tensor`` (its grad_fn, or for a leaf its
+    AccumulateGrad node). Only used to word an error, so a full walk is fine."""
+    target = tensor.grad_fn
     seen, todo = set(), [start]
     while todo:
         fn = todo.pop()
-        if fn is target:
+        if fn is None:
+            continue
+        if fn is target or (target is None and getattr(fn, "variable", None) is tensor):
             return True
         if fn is None or id(fn) in seen:
             continue

@@ -18,32 +18,41 @@ from __future__ import annotations
 import greenlet
 import torch
 
+from .backward import PLAIN, read_grad, write_grad
 from .session import BODIES
 
 _PLAIN = torch._C.TensorBase.__dict__["grad"]
 _getcurrent = greenlet.getcurrent
 
 
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+
+
 def _served(tensor) -> bool:
-    return not isinstance(tensor, torch.nn.Parameter) and not tensor.retains_grad
+    # `type(t) is Tensor` first: Parameter's isinstance goes through a Python metaclass hook.
+    return ((tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter))
+            and not tensor.retains_grad)
 
 
 def _get(tensor):
     if BODIES:
         body = BODIES.get(_getcurrent())
-        if body is not None and _served(tensor):
-            from .backward import PLAIN, read_grad
-            value = read_grad(body, tensor)
-            if value is not PLAIN:
-                return value
-    return _PLAIN.__get__(tensor, type(tensor))
+        if body is not None:
+            stop = body.stop
+            if stop is not None and stop.tensor is tensor:
+                return stop.value()  # the gradient the backward is paused at
+            if _served(tensor):
+                value = read_grad(body, tensor)
+                if value is not PLAIN:
+                    return value
+    return _PLAIN.__get__(tensor, tensor.__class__)
 
 
 def _set(tensor, value):
     if BODIES:
         body = BODIES.get(_getcurrent())
         if body is not None and body.block is not None and _served(tensor) and tensor.requires_grad:
-            from .backward import write_grad
             write_grad(body, tensor, value)
             return
     _PLAIN.__set__(tensor, value)

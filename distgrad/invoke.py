@@ -170,16 +170,13 @@ def invoke_grad(trace, body: Body, tensor: torch.Tensor):
     session = trace.backward
     entry = trace.slices.get(id(tensor))
     full, rows = (entry[1], body.rows) if entry is not None and entry[0] is tensor else (tensor, None)
-    label = body.label_of(tensor)
     if not tensor.requires_grad:
-        raise ValueError(f"{label}.grad: no gradient flows into it, because it does not require grad.")
-    point = session.grad_point(full, label)
-    stop = body.stop
-    if stop is not None and stop.key[0] is point:
-        return stop
+        raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because it "
+                         f"does not require grad.")
+    point = session.grad_point(full)
     key = (point, point.calls)
-    return session.request(body, key, lambda: grad_passed(label, body.block.tensor, tensor, body),
-                           rows=rows)
+    return session.request(body, key, lambda: grad_passed(body.block.tensor, tensor, body),
+                           rows=rows, tensor=tensor)
 
 
 __all__ = ["Invoke", "run_invokes", "OutOfOrderError"]

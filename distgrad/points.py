@@ -53,9 +53,8 @@ class ModulePoint:
 class GradPoint:
     """The gradient flowing into one tensor during a backward block (a tensor hook)."""
 
-    def __init__(self, session, tensor: torch.Tensor, label: str):
+    def __init__(self, session, tensor: torch.Tensor):
         self.session = session
-        self.label = f"{label}.grad"
         self.calls = 0
         # A hook on the tensor itself: fires with the gradient w.r.t. exactly this tensor, and
         # what it returns replaces that gradient for everything upstream.

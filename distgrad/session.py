@@ -14,7 +14,7 @@ import greenlet
 import torch
 
 from . import batching
-from .errors import OutOfOrderError, check_replacement_grad
+from .errors import OutOfOrderError, check_replacement_grad, describe_tensor
 from .points import GradPoint, ModulePoint
 from .run import GreenletRun, ThreadRun
 
@@ -35,13 +35,13 @@ class Body:
         self.scheduler = scheduler  # greenlet to yield to (invoke bodies); None: drive the run
         self.pending = None         # key (point, call) this body waits for
         self.pending_rows = rows    # rows of that key's value it will see
+        self.pending_tensor = None  # for a gradient key: the tensor whose .grad the body wants
         self.stop = None            # Stop: where the run is paused for this body
         self.block = None           # the open BackwardTracer, if any
         self.saves: list = []
         self.labels: dict = {}      # id(tensor) -> (tensor, "model.x.output") for messages
 
     def label_of(self, tensor) -> str:
-        from .errors import describe_tensor
         entry = self.labels.get(id(tensor))
         return entry[1] if entry is not None and entry[0] is tensor else describe_tensor(tensor)
 
@@ -62,11 +62,13 @@ class Body:
 class Stop:
     """One body's view of the point the run is paused at, and what the body put there."""
 
-    def __init__(self, key, value, rows, kind: str, size: int, slices: dict | None):
+    def __init__(self, key, value, rows, kind: str, size: int, slices: dict | None,
+                 tensor=None):
         self.key = key
+        self.tensor = tensor  # whose .grad this is, as the body named it
         self.kind = kind
         self.rows = rows
-        view = batching.narrow(value, rows, size, slices)
+        view = value if rows is None else batching.narrow(value, rows, size, slices)
         if kind == "grad":
             # The body gets its own copy: autograd may pass one gradient tensor to several
             # branches, and an in-place edit must reach only the branch of this tensor.
@@ -74,6 +76,9 @@ class Stop:
             self.version = view._version
         self.view = view
         self.replacement = _UNSET
+
+    def value(self):
+        return self.view if self.replacement is _UNSET else self.replacement
 
     def replace(self, value, label: str) -> None:
         if self.kind == "grad":
@@ -116,10 +121,10 @@ class Session:
             point = self.points[(id(module), kind)] = ModulePoint(self, module, path, kind)
         return point
 
-    def grad_point(self, tensor, label: str) -> GradPoint:
+    def grad_point(self, tensor) -> GradPoint:
         entry = self.points.get(id(tensor))
         if entry is None or entry[0] is not tensor:
-            entry = self.points[id(tensor)] = (tensor, GradPoint(self, tensor, label))
+            entry = self.points[id(tensor)] = (tensor, GradPoint(self, tensor))
         return entry[1]
 
     # -- the run side ---------------------------------------------------------------------
@@ -127,7 +132,7 @@ class Session:
         return self.run.hand(key, value)
 
     # -- the body side --------------------------------------------------------------------
-    def request(self, body: Body, key, passed_message, rows=_UNSET) -> Stop:
+    def request(self, body: Body, key, passed_message, rows=_UNSET, tensor=None) -> Stop:
         """Stop where ``key`` fires and return the body's view of it (its ``rows`` of it)."""
         if body.stop is not None and body.stop.key == key:
             return body.stop
@@ -135,6 +140,7 @@ class Session:
             raise _passed(passed_message)
         body.pending = key
         body.pending_rows = body.rows if rows is _UNSET else rows
+        body.pending_tensor = tensor
         self.wanted[key] = self.wanted.get(key, 0) + 1
         try:
             if body.scheduler is None:
@@ -160,7 +166,7 @@ class Session:
             for body in self.bodies:
                 if body.pending == key:
                     body.stop = Stop(key, value, body.pending_rows, self.kind_of(key), self.size,
-                                     self.slices)
+                                     self.slices, body.pending_tensor)
                     self.served.append(body)
             return
         self.finished = True

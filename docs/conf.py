@@ -17,7 +17,9 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
+    "myst_parser",  # performance.md: benchmark tables are recorded in Markdown
 ]
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 
 # -- autodoc ------------------------------------------------------------------------------
 autodoc_member_order = "bysource"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from . import engines, gradpatch, saving
 from .backward import BackwardTracer, config
-from .errors import NotSavedError, OutOfOrderError, TraceStateError
+from .errors import NotSavedError, OutOfOrderError, RankFailedError, TraceStateError
 from .saving import save
 from .trace import Model, Trace
 
@@ -36,4 +36,4 @@ saving.install()
 gradpatch.install()
 
 __all__ = ["wrap", "save", "BackwardTracer", "Model", "Trace", "OutOfOrderError",
-           "NotSavedError", "TraceStateError", "config", "engines"]
+           "NotSavedError", "TraceStateError", "RankFailedError", "config", "engines"]

@@ -21,9 +21,10 @@ from .session import BODIES, Body, Session, current_body
 
 PLAIN = object()  # read_grad's answer when the read is PyTorch's own
 
-config = types.SimpleNamespace(backward_mode="auto")
+config = types.SimpleNamespace(backward_mode="auto", failure_timeout=10.0)
 """``backward_mode``: ``"auto"`` (greenlet for a CPU backward, a worker thread when CUDA is in use),
-``"greenlet"`` or ``"thread"``."""
+``"greenlet"`` or ``"thread"``. ``failure_timeout``: seconds a rank whose collective broke waits
+for the failing rank's message before reporting that a peer was lost."""
 
 
 class BackwardTracer:

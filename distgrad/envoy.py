@@ -15,11 +15,13 @@ from .session import _UNSET, current_body
 
 
 class Envoy:
-    __slots__ = ("_module", "_path", "_children", "_call", "_parent")
+    __slots__ = ("_module", "_path", "_children", "_call", "_parent", "_engine")
 
     def __init__(self, module: torch.nn.Module, path: str, call: int | None = None,
-                 parent: "Envoy | None" = None):
-        object.__setattr__(self, "_module", module)
+                 parent: "Envoy | None" = None, engine=None):
+        engine = engine if engine is not None else parent._engine
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_module", engine.unwrap(module))
         object.__setattr__(self, "_path", path)
         object.__setattr__(self, "_children", {})
         object.__setattr__(self, "_call", call)
@@ -37,14 +39,18 @@ class Envoy:
         if name in children:
             return children[name]
         module = self._module
-        sub = module._modules.get(name) if name in module._modules else None
+        sub = module._modules.get(name)
         if sub is not None:
             envoy = children[name] = Envoy(sub, f"{self._path}.{name}", parent=self)
             return envoy
         try:
-            return getattr(module, name)
+            value = getattr(module, name)
         except AttributeError:
             pass
+        else:
+            if isinstance(value, torch.nn.Parameter):
+                return self._engine.param(value, f"{self._path}.{name}")
+            return value
         names = list(module._modules) + [n for n, _ in module.named_parameters(recurse=False)]
         near = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(f'{self._path}.{n}' for n in near)}?" if near else ""
@@ -88,7 +94,8 @@ class Envoy:
         """The ``i``-th call (from 0) of this module in the trace, for modules run more than once."""
         if not isinstance(i, int) or i < 0:
             raise ValueError(f"{self._path}.call(i) needs an int i >= 0, got {i!r}.")
-        return Envoy(self._module, f"{self._path}.call({i})", call=i, parent=self._parent)
+        return Envoy(self._module, f"{self._path}.call({i})", call=i, parent=self._parent,
+                     engine=self._engine)
 
     # -- values ---------------------------------------------------------------------------
     def _stop(self, kind: str):

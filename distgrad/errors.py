@@ -47,3 +47,8 @@ def check_replacement_grad(label: str, old: torch.Tensor, new) -> None:
         raise ValueError(f"{label} = ... : the replacement gradient has " + ", ".join(problems)
                          + f". A replacement must match the gradient it replaces; build it from "
                            f"{label} (e.g. {label} * 2, torch.zeros_like({label})).")
+
+
+class RankFailedError(RuntimeError):
+    """Another rank of a distributed job failed during the trace (its message is included), or
+    stopped answering. Raised on every rank but the one that failed."""

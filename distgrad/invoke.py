@@ -73,7 +73,7 @@ def run_invokes(trace) -> None:
             if not trace.backward.finished:
                 trace.backward.abort()
             trace.backward.close()
-    saved = {id(v) for body in bodies for v in body.saves}
+    saved = {id(entry[0]) for body in bodies for entry in body.saves}
     trace.body.saves.extend(v for body in bodies for v in body.saves)
     names = {}
     for inv in invokes:

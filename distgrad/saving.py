@@ -14,27 +14,52 @@ from .errors import TraceStateError
 from .session import current_body
 
 
-def save(obj):
-    """Keep ``obj`` (a tensor or any object) for use after the trace; returns ``obj``."""
+GATHER_MODES = ("rank0", "all", "none")
+
+
+def save(obj, *, gather: str = "rank0", dim: int = 0):
+    """Keep ``obj`` (a tensor or any object) for use after the trace; returns ``obj``.
+
+    Under a parallel engine the saved tensors are gathered when the trace ends, after the
+    backward has finished on every rank:
+
+    * ``gather="rank0"`` (default): on rank 0 the tensor becomes the global-batch view, the
+      ranks' tensors concatenated along ``dim`` in rank order (a 0-dim tensor is stacked to
+      shape ``[world_size]``); on other ranks it keeps the rank-local value.
+    * ``gather="all"``: every rank gets the global view.
+    * ``gather="none"``: every rank keeps its own value; nothing is sent.
+
+    Tensors inside a saved dict, tuple or model output are gathered the same way. On one
+    process all modes keep the value as it is.
+    """
+    if gather not in GATHER_MODES:
+        raise ValueError(f".save(gather={gather!r}): use one of {', '.join(GATHER_MODES)}.")
     body = current_body()
     if body is None:
         raise TraceStateError(
             ".save() was called outside a trace. Values exist only while a trace runs: call "
             ".save() inside `with model.trace(...):` (or a backward block), e.g. "
             "`h = model.transformer.h[0].output.save()`.")
-    body.saves.append(obj)
+    body.saves.append((obj, gather, dim))
     return obj
 
 
-def _tensor_save(self: torch.Tensor) -> torch.Tensor:
+_previous_save = None  # a Tensor.save another library defined before distgrad was imported
+
+
+def _tensor_save(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """distgrad: keep this tensor for use after the trace (see ``distgrad.save``)."""
-    return save(self)
+    if _previous_save is not None and current_body() is None:
+        return _previous_save(self, *args, **kwargs)  # not ours: e.g. nnsight's own trace
+    return save(self, *args, **kwargs)
 
 
 def install() -> None:
-    existing = getattr(torch.Tensor, "save", None)
-    if existing is None:
-        torch.Tensor.save = _tensor_save
-    elif existing is not _tensor_save:
-        raise RuntimeError("torch.Tensor.save is already defined by another library; distgrad "
-                           "cannot add its .save(). Use distgrad.save(x) instead.")
+    """Add ``Tensor.save``. If another library (nnsight) added one first, distgrad's serves
+    distgrad bodies and hands every other call to it."""
+    global _previous_save
+    existing = torch.Tensor.__dict__.get("save")
+    if existing is _tensor_save:
+        return
+    _previous_save = existing
+    torch.Tensor.save = _tensor_save

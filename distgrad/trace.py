@@ -21,11 +21,11 @@ class Model(Envoy):
     __slots__ = ("_engine", "_tokenizer", "_root")
 
     def __init__(self, engine: engines.Engine, tokenizer=None):
-        super().__init__(engine.model, "model")
+        super().__init__(engine.model, "model", engine=engine)
         object.__setattr__(self, "_engine", engine)
         object.__setattr__(self, "_tokenizer", tokenizer)
         # model.output is the output of whatever the engine calls (the wrapper, if any).
-        root = self if engine.root is engine.model else Envoy(engine.root, "model")
+        root = self if engine.root is engine.model else Envoy(engine.root, "model", engine=engine)
         object.__setattr__(self, "_root", root)
 
     def trace(self, *args, **kwargs) -> "Trace":
@@ -80,6 +80,7 @@ class Trace:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        error = exc
         try:
             if exc is None:
                 if self.invokes:
@@ -87,14 +88,18 @@ class Trace:
                     run_invokes(self)
                 else:
                     self.finish_forward()
+        except BaseException as late:  # the rest of the forward failed: the engine must know
+            error = late
+            raise
         finally:
             if self.forward is not None:
                 if not self.forward.finished:
                     self.forward.abort()
                 self.forward.close()
             BODIES.pop(self._glet, None)
-        if exc is None:
-            self.engine.gather(self.body.saves)
+            instead = self.engine.end_trace(self.body.saves, error)
+            if instead is not None:
+                raise instead from error
         return False
 
     def invoke(self, *args, **kwargs):

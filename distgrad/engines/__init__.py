@@ -8,11 +8,31 @@ from .local import LocalEngine
 
 
 def select(obj) -> Engine:
+    """The engine for what the user wrapped: DDP, FSDP1, FSDP2 (``fully_shard``), or plain."""
     if isinstance(obj, Engine):
         return obj
+    from torch.nn.parallel import DistributedDataParallel
+    if isinstance(obj, DistributedDataParallel):
+        from .ddp import DDPEngine
+        return DDPEngine(obj)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    if isinstance(obj, FullyShardedDataParallel):
+        from .fsdp1 import FSDP1Engine
+        return FSDP1Engine(obj)
+    if _is_fully_sharded(obj):
+        from .fsdp2 import FSDP2Engine
+        return FSDP2Engine(obj)
     if isinstance(obj, torch.nn.Module):
         return LocalEngine(obj)
     raise TypeError(f"distgrad.wrap() needs a torch.nn.Module, got {type(obj).__name__}.")
+
+
+def _is_fully_sharded(obj) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(obj, FSDPModule)
 
 
 __all__ = ["Engine", "LocalEngine", "select"]

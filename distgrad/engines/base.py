@@ -47,9 +47,22 @@ class Engine:
         """Whether this process runs ``module`` (False on pipeline stages that do not)."""
         return True
 
-    def gather(self, saves: list) -> list:
-        """Saved values as rank 0 should see them after the trace; one process: unchanged."""
-        return saves
+    def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The user's module behind an engine's per-module wrapper (FSDP1 wraps submodules)."""
+        return module
+
+    def param(self, param: torch.nn.Parameter, path: str):
+        """What ``model.<path>`` gives for a parameter: one whose ``.grad`` is the full,
+        reduced gradient (a collective on sharded engines) and can be assigned."""
+        return param
+
+    def end_trace(self, saves: list, error: BaseException | None):
+        """Called on every rank when a trace ends, after its forward and backward finished.
+
+        ``saves`` holds ``(value, gather, dim)`` per ``.save()``. Without ``error``: make the saved
+        values global (one process: nothing to do). With ``error``: tell the other ranks. Returns
+        an exception to raise instead of ``error``, or None."""
+        return None
 
     @property
     def rank(self) -> int:

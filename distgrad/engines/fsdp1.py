@@ -1,0 +1,75 @@
+"""FSDP1: ``FullyShardedDataParallel`` with ``use_orig_params=True``.
+
+* Paths: FSDP1 wraps the root and every auto-wrapped submodule in a ``FullyShardedDataParallel``
+  whose child is ``_fsdp_wrapped_module``; ``unwrap`` steps through those (and activation
+  checkpoint wrappers), so ``model.transformer.h[0]`` is the user's block and hooks go on it.
+* Forward and backward: through the root wrapper, plain autograd; FSDP1 all-gathers flat
+  parameters before each unit and reduce-scatters after the unit's backward.
+* Parameter gradients: outside ``summon_full_params`` a parameter is a view of this rank's flat
+  shard. ``.grad`` through distgrad opens ``summon_full_params(with_grads=True)`` on the root (a
+  collective: call it on every rank) and returns a copy of the full gradient; assigning writes the
+  full tensor inside the same context, which FSDP writes back to the shards.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from .distributed import DistributedEngine
+
+_WRAPPER_CHILDREN = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+class FSDP1Engine(DistributedEngine):
+    name = "fsdp1"
+
+    def __init__(self, wrapped: FSDP):
+        super().__init__(wrapped, group=wrapped.process_group)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.unwrap(self.wrapped)
+
+    @property
+    def root(self) -> torch.nn.Module:
+        return self.wrapped
+
+    def unwrap(self, module):
+        while True:
+            inner = next((module._modules[n] for n in _WRAPPER_CHILDREN if n in module._modules), None)
+            if inner is None:
+                return module
+            module = inner
+
+    def forward(self, args, kwargs):
+        return self.wrapped(*args, **kwargs)
+
+    def param(self, param, path):
+        return FullParam(self.wrapped, param, path)
+
+
+class FullParam:
+    def __init__(self, root, param, path):
+        object.__setattr__(self, "root", root)
+        object.__setattr__(self, "param", param)
+        object.__setattr__(self, "path", path)
+
+    @property
+    def grad(self):
+        with FSDP.summon_full_params(self.root, with_grads=True):
+            g = self.param.grad
+            return None if g is None else g.detach().clone()
+
+    @grad.setter
+    def grad(self, value):
+        with FSDP.summon_full_params(self.root, with_grads=True, writeback=True):
+            if self.param.grad is None or value is None:
+                raise ValueError(f"{self.path}.grad = ...: FSDP1 can only overwrite an existing "
+                                 "gradient; assign after the backward.")
+            self.param.grad.copy_(value)
+
+    def __getattr__(self, name):
+        return getattr(self.param, name)
+
+    def __repr__(self):
+        return f"FullParam({self.path})"

@@ -1,0 +1,68 @@
+"""FSDP2: ``torch.distributed.fsdp.fully_shard``.
+
+* Paths: ``fully_shard`` changes the module classes in place and adds no wrapper, so the user's
+  paths are the module's own.
+* Forward and backward: the module itself and plain autograd; FSDP2's hooks all-gather
+  parameters before each sharded module runs and reduce-scatter gradients after.
+* Parameter gradients: parameters and gradients are DTensors sharded on dim 0. ``.grad`` through
+  distgrad returns ``grad.full_tensor()`` (an all-gather: call it on every rank) and assigning a
+  full tensor stores this rank's shard of it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .distributed import DistributedEngine
+
+
+class FSDP2Engine(DistributedEngine):
+    name = "fsdp2"
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.wrapped
+
+    def forward(self, args, kwargs):
+        return self.wrapped(*args, **kwargs)
+
+    def param(self, param, path):
+        return ShardedParam(param, path)
+
+
+class ShardedParam:
+    """A DTensor parameter seen whole: ``.grad`` gathers, ``.grad = full`` scatters locally."""
+
+    def __init__(self, param, path: str):
+        object.__setattr__(self, "param", param)
+        object.__setattr__(self, "path", path)
+
+    @property
+    def grad(self):
+        g = self.param.grad
+        return None if g is None else g.full_tensor()
+
+    @grad.setter
+    def grad(self, value):
+        from torch.distributed.tensor import distribute_tensor
+        local = self.param.to_local() if hasattr(self.param, "to_local") else self.param
+        if value is None:
+            self.param.grad = None
+            return
+        if tuple(value.shape) != tuple(self.param.shape):
+            raise ValueError(f"{self.path}.grad = ...: expected the full shape "
+                             f"{list(self.param.shape)}, got {list(value.shape)}.")
+        del local
+        self.param.grad = distribute_tensor(value.detach().to(self.param.dtype),
+                                            self.param.device_mesh, self.param.placements)
+
+    def full_tensor(self):
+        return self.param.full_tensor()
+
+    def __getattr__(self, name):
+        return getattr(self.param, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.param, name, value)
+
+    def __repr__(self):
+        return f"ShardedParam({self.path}, shape={list(self.param.shape)})"

@@ -1,0 +1,269 @@
+"""One multi-process job: every case for one engine in one process group.
+
+Started once per rank by tests/test_distributed.py (RANK, WORLD_SIZE, MASTER_ADDR/PORT set).
+Each rank writes ``<out>/rank<r>.json``: case -> "ok" or what went wrong. The oracle is one
+process with plain autograd on the global batch (every rank computes it; it is tiny).
+Tolerances: fp32; activations and their gradients atol 1e-5, parameter gradients atol 1e-5
+after the engine's average over ranks (DDP and FSDP average: the oracle divides by world size).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import distgrad
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+torch.set_num_threads(1)
+ATOL = 1e-5
+# Losses are logits.sum() * SCALE: gradients of order 1, so that atol 1e-5 is a fair test of
+# fp32 numbers summed in a different order (an all-reduce) rather than of their magnitude.
+SCALE = 1e-3
+
+
+def build():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=384)).eval()
+
+
+def wrap_engine(engine: str, net):
+    world = dist.get_world_size()
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(net)
+    if engine == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for block in net.transformer.h:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(net, mesh=mesh)
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+        return FullyShardedDataParallel(net, use_orig_params=True, device_id=torch.device("cpu"),
+                                        auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
+    raise ValueError(engine)
+
+
+def global_ids(n_rows: int):
+    g = torch.Generator().manual_seed(123)
+    return torch.randint(0, 384, (n_rows, 8), generator=g)
+
+
+def rows_of(rank: int, sizes: list[int]) -> slice:
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def oracle(ids, edit: float = 1.0):
+    """Plain autograd on one process: h[0]'s output and gradient, h[1]'s output, param grads."""
+    net = build()
+    seen = {}
+
+    def on_output(mod, args, out):
+        seen["h0"] = out.detach().clone()
+
+        def on_grad(g):
+            seen["g0"] = g.detach().clone()
+            return g * edit
+        out.register_hook(on_grad)
+
+    net.transformer.h[0].register_forward_hook(on_output)
+    net.transformer.h[1].register_forward_hook(lambda m, a, o: seen.__setitem__("h1", o.detach().clone()))
+    out = net(ids)
+    (out.logits.sum() * SCALE).backward()
+    seen["params"] = {n: p.grad.clone() for n, p in net.named_parameters()}
+    seen["losses"] = out.logits.detach()
+    return seen
+
+
+def close(a, b, what):
+    if a.shape != b.shape:
+        raise AssertionError(f"{what}: shape {list(a.shape)} != {list(b.shape)}")
+    diff = (a - b).abs().max().item()
+    if diff > ATOL:
+        raise AssertionError(f"{what}: max abs diff {diff:.3g} > {ATOL}")
+
+
+PARAMS = ["transformer.h.0.mlp.c_fc.weight", "transformer.h.1.attn.c_attn.bias",
+          "transformer.wpe.weight"]
+
+
+def param_envoy(model, name):
+    obj = model
+    for part in name.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def case_read_edit(model, wrapped, rank, world):
+    sizes = [2] * world
+    ids = global_ids(sum(sizes))
+    local = ids[rows_of(rank, sizes)]
+    with model.trace(local):
+        a1 = model.transformer.h[0].output
+        h1 = model.transformer.h[1].output.save()
+        loss = model.output.logits.sum() * SCALE
+        with loss.backward():
+            g = a1.grad.save()
+            a1.grad = a1.grad * 2
+    ref = oracle(ids, edit=2.0)
+    if rank == 0:
+        close(g, ref["g0"], "gathered h[0] gradient")
+        close(h1, ref["h1"], "gathered h[1] output")
+    else:
+        close(g, ref["g0"][rows_of(rank, sizes)], "rank-local h[0] gradient")
+    for name in PARAMS:  # a collective on sharded engines: every rank reads
+        got = param_envoy(model, name).grad
+        close(got, ref["params"][name] / world, f"reduced grad of {name}")
+    wrapped.zero_grad(set_to_none=True)
+
+
+def case_saves(model, wrapped, rank, world):
+    sizes = [2] * world
+    ids = global_ids(sum(sizes))
+    local = ids[rows_of(rank, sizes)]
+    with model.trace(local):
+        logits = model.output.logits
+        total = logits.sum().save()                      # 0-dim: stacked to [world]
+        everywhere = logits.save(gather="all")
+        mine = logits[:, -1].save(gather="none")
+        last = logits[:, -1, :5].save(dim=0)
+    ref = oracle(ids)["losses"]
+    sums = torch.stack([ref[rows_of(r, sizes)].sum() for r in range(world)])
+    if rank == 0:
+        close(total, sums, "stacked 0-dim save")
+        close(last, ref[:, -1, :5], "second save of the trace")
+    close(everywhere, ref, "gather='all' save")
+    close(mine, ref[rows_of(rank, sizes)][:, -1], "gather='none' save")
+
+
+def case_uneven(model, wrapped, rank, world):
+    sizes = [2] + [1] * (world - 1)
+    ids = global_ids(sum(sizes))
+    with model.trace(ids[rows_of(rank, sizes)]):
+        a1 = model.transformer.h[0].output
+        with (model.output.logits.sum() * SCALE).backward():
+            g = a1.grad.save()
+    if rank == 0:
+        close(g, oracle(ids)["g0"], "gathered gradient, uneven batches")
+    wrapped.zero_grad(set_to_none=True)
+
+
+def case_param_write(model, wrapped, rank, world):
+    sizes = [2] * world
+    ids = global_ids(sum(sizes))
+    with model.trace(ids[rows_of(rank, sizes)]):
+        with (model.output.logits.sum() * SCALE).backward():
+            pass
+    weight = model.transformer.h[1].mlp.c_fc.weight
+    weight.grad = weight.grad * 0.5
+    ref = oracle(ids)["params"]["transformer.h.1.mlp.c_fc.weight"] / world
+    close(weight.grad, ref * 0.5, "gradient after assignment through distgrad")
+    wrapped.zero_grad(set_to_none=True)
+
+
+def case_rank_dependent_save(model, wrapped, rank, world):
+    ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
+    try:
+        with model.trace(ids):
+            out = model.output.logits
+            if rank == 0:
+                out.save()
+    except ValueError as exc:
+        if "different numbers" not in str(exc):
+            raise
+        return
+    raise AssertionError("a save on rank 0 only did not raise")
+
+
+def case_failure(model, wrapped, rank, world):
+    """Rank 1 fails in the body before the backward; every rank must raise, none hang."""
+    ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
+    start = time.monotonic()
+    try:
+        with model.trace(ids):
+            a1 = model.transformer.h[0].output
+            loss = model.output.logits.sum()
+            if rank == 1:
+                1 / 0
+            with loss.backward():
+                a1.grad
+    except ZeroDivisionError:
+        if rank != 1:
+            raise
+        return
+    except distgrad.RankFailedError as exc:
+        took = time.monotonic() - start
+        if rank == 1 or "rank 1" not in str(exc) or "ZeroDivisionError" not in str(exc):
+            raise AssertionError(f"wrong failure report on rank {rank}: {exc}")
+        if took > 30:
+            raise AssertionError(f"the failure took {took:.1f} s to arrive")
+        return
+    raise AssertionError("no error reached this rank")
+
+
+def case_killed(model, wrapped, rank, world):
+    ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
+    try:
+        with model.trace(ids):
+            a1 = model.transformer.h[0].output
+            loss = model.output.logits.sum()
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            with loss.backward():
+                a1.grad
+    except distgrad.RankFailedError as exc:
+        if "stopped answering" not in str(exc):
+            raise AssertionError(f"unexpected report: {exc}")
+        return
+    raise AssertionError("rank 0 did not notice the killed rank")
+
+
+CASES = {"all": [case_read_edit, case_saves, case_uneven, case_param_write,
+                 case_rank_dependent_save, case_failure],
+         "killed": [case_killed]}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", required=True)
+    parser.add_argument("--cases", default="all")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    distgrad.config.failure_timeout = 3.0
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    wrapped = wrap_engine(args.engine, build())
+    model = distgrad.wrap(wrapped)
+    for case in CASES[args.cases]:
+        try:
+            case(model, wrapped, rank, world)
+            results[case.__name__] = "ok"
+        except Exception:
+            results[case.__name__] = traceback.format_exc()
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # recorded: a clean exit is part of the contract
+        results["teardown"] = repr(exc)
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

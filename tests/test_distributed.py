@@ -1,0 +1,52 @@
+"""Real multi-process jobs (2 ranks, gloo on CPU) for each data-parallel engine.
+
+Each engine runs every case in one job and one process group (start-up is the expensive part),
+tests/dist/job.py; this file starts the job once per engine and reports each case. The oracle
+is one process with plain autograd on the global batch, computed inside the job.
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "dist"))
+from launch import run_ranks  # noqa: E402
+
+JOB = str(Path(__file__).parent / "dist" / "job.py")
+ENGINES = ["ddp", "fsdp1", "fsdp2"]
+CASES = ["case_read_edit", "case_saves", "case_uneven", "case_param_write",
+         "case_rank_dependent_save", "case_failure"]
+WORLD = 2
+
+
+def _job(engine, cases, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"{engine}-{cases}")
+    procs = run_ranks([JOB, "--engine", engine, "--cases", cases, "--out", str(out)], WORLD)
+    results = []
+    for rank, proc in enumerate(procs):
+        path = out / f"rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+    return procs, results
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine_job(request, tmp_path_factory):
+    return request.param, _job(request.param, "all", tmp_path_factory)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_engine_case_on_every_rank(engine_job, case):
+    engine, (procs, results) = engine_job
+    for rank, (proc, result) in enumerate(zip(procs, results)):
+        assert proc.returncode == 0, f"{engine} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+        assert result.get(case) == "ok", f"{engine} rank {rank} {case}:\n{result.get(case, proc.stdout[-3000:])}"
+        assert "teardown" not in result, result.get("teardown")
+
+
+@pytest.mark.slow
+def test_killed_rank_is_reported(tmp_path_factory):
+    procs, results = _job("ddp", "killed", tmp_path_factory)
+    assert procs[1].returncode == -9  # the rank really died
+    assert procs[0].returncode == 0, procs[0].stdout[-3000:]
+    assert results[0].get("case_killed") == "ok", results[0]

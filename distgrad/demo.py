@@ -65,7 +65,13 @@ def _grads(net):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with plain autograd")
-    args = parser.parse_args(argv)
+    parser.add_argument("--engine", default="local",
+                        help="local (one process), or under torchrun: ddp, fsdp1, fsdp2")
+    parser.add_argument("--steps", type=int, default=3, help="fine-tuning steps (parallel engines)")
+    args, _ = parser.parse_known_args(argv)  # launchers may add their own flags
+    if args.engine != "local":
+        from .demo_parallel import run
+        return run(args.engine, args.steps, args.check)
     net, tokenizer = build()
     g, grads = traced_step(net, tokenizer)
     _, plain = autograd_step(net, tokenizer, 1.0)

@@ -50,3 +50,14 @@ def test_killed_rank_is_reported(tmp_path_factory):
     assert procs[1].returncode == -9  # the rank really died
     assert procs[0].returncode == 0, procs[0].stdout[-3000:]
     assert results[0].get("case_killed") == "ok", results[0]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_demo_under_torchrun_matches_one_process(engine):
+    """The shipped launch script: a few SGD steps with an edit, checked on rank 0."""
+    import subprocess
+    script = Path(__file__).parent.parent / "launch" / "torchrun.sh"
+    proc = subprocess.run(["bash", str(script), engine], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "NPROC": "2"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check against one process, plain autograd, global batch: OK" in proc.stdout

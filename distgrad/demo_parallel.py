@@ -31,7 +31,8 @@ def _batch(steps: int, world: int):
     return [torch.randint(0, 384, (2 * world, 8), generator=g) for _ in range(steps)]
 
 
-def _wrap(engine: str, net):
+def wrap_with_engine(engine: str, net):
+    """The tiny GPT-2 under one engine, the way the demo, launch scripts and tests use it."""
     world = dist.get_world_size()
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -57,7 +58,7 @@ def run(engine: str, steps: int, check: bool) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        wrapped = _wrap(engine, _net())
+        wrapped = wrap_with_engine(engine, _net())
         model = distgrad.wrap(wrapped)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
         batches = _batch(steps, world)

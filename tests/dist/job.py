@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import distgrad
+from distgrad.demo_parallel import wrap_with_engine
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 torch.set_num_threads(1)
@@ -34,27 +35,6 @@ def build():
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=384)).eval()
-
-
-def wrap_engine(engine: str, net):
-    world = dist.get_world_size()
-    if engine == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(net)
-    if engine == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))
-        for block in net.transformer.h:
-            fully_shard(block, mesh=mesh)
-        return fully_shard(net, mesh=mesh)
-    if engine == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-        return FullyShardedDataParallel(net, use_orig_params=True, device_id=torch.device("cpu"),
-                                        auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
-    raise ValueError(engine)
 
 
 def global_ids(n_rows: int):
@@ -247,7 +227,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
-    wrapped = wrap_engine(args.engine, build())
+    wrapped = wrap_with_engine(args.engine, build())
     model = distgrad.wrap(wrapped)
     for case in CASES[args.cases]:
         try:

@@ -82,9 +82,12 @@ def main():
     gather = {}
     for s in (1, 4, 16, 64):
         tensors = [torch.randn(2, 8, 64) for _ in range(s)]
+        originals = [t.clone() for t in tensors]
         saves = [(t, "rank0", 0) for t in tensors]
         flat = torch.cat([t.reshape(-1) for t in tensors])
         parts = [torch.empty_like(flat) for _ in range(world)]
+        exchange = collective.Exchange(dist.group.WORLD, rank, world)
+        exchange(saves)  # the first call agrees on a buffer size; later ones are one collective
         one, ours = [], []
         for _ in range(args.steps // 10):
             for _ in range(10):
@@ -95,8 +98,11 @@ def main():
             for _ in range(10):
                 dist.barrier()
                 t = time.perf_counter_ns()
-                collective.exchange(saves, dist.group.WORLD, rank, world)
+                for tensor, value in exchange(saves):
+                    tensor.data = value  # what end_trace does: the user's name shows the result
                 ours.append(time.perf_counter_ns() - t)
+                for tensor, original in zip(tensors, originals):
+                    tensor.data = original
         gather[s] = (statistics.median(one) / 1e3, statistics.median(ours) / 1e3)
 
     if rank == 0:

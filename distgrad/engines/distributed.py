@@ -30,6 +30,7 @@ class DistributedEngine(Engine):
         self._rank = dist.get_rank(self.group)
         self._world = dist.get_world_size(self.group)
         self._traces = 0
+        self._exchange = collective.Exchange(self.group, self._rank, self._world)
 
     @property
     def rank(self) -> int:
@@ -45,7 +46,7 @@ class DistributedEngine(Engine):
         if error is not None:
             return self._fail(error)
         try:
-            results = collective.exchange(saves, self.group, self._rank, self._world)
+            results = self._exchange(saves)
         except RuntimeError as exc:  # the group broke under us: a peer failed
             raise self._peer_failure(exc) from exc
         with torch.no_grad():

@@ -19,16 +19,19 @@ from .trace import Model, Trace
 __version__ = "0.1.0"
 
 
-def wrap(module, tokenizer=None) -> Model:
-    """Wrap a module (or an engine's wrapper of one) for tracing.
+def wrap(module, tokenizer=None, accelerator=None) -> Model:
+    """Wrap a module, or an engine's wrapper of one, for tracing.
 
     Args:
-        module: any ``torch.nn.Module``.
+        module: any ``torch.nn.Module``; or the wrapper itself: a ``DistributedDataParallel``,
+            an FSDP1 module, a ``fully_shard``-ed module, a model from ``accelerator.prepare``.
         tokenizer: used by ``trace()`` to turn a ``str`` or ``list[str]`` into model inputs.
+        accelerator: the ``accelerate.Accelerator`` that prepared ``module``; backward blocks
+            then run ``accelerator.backward(loss)``.
     Returns:
-        a :class:`Model` whose attributes mirror the module tree.
+        a :class:`Model` whose attributes mirror the user's module tree.
     """
-    return Model(engines.select(module), tokenizer=tokenizer)
+    return Model(engines.select(module, accelerator=accelerator), tokenizer=tokenizer)
 
 
 BackwardTracer.install()

@@ -32,34 +32,40 @@ def _batch(steps: int, world: int):
 
 
 def wrap_with_engine(engine: str, net):
-    """The tiny GPT-2 under one engine, the way the demo, launch scripts and tests use it."""
+    """The tiny GPT-2 under one engine, the way the demo, launch scripts and tests use it.
+    Returns what the user would hand to ``distgrad.wrap`` and the keyword arguments for it."""
+    if engine == "accelerate":
+        from accelerate import Accelerator
+        accelerator = Accelerator(cpu=True)
+        return accelerator.prepare(net), {"accelerator": accelerator}
     world = dist.get_world_size()
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(net)
+        return DistributedDataParallel(net), {}
     if engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (world,))
         for block in net.transformer.h:
             fully_shard(block, mesh=mesh)
-        return fully_shard(net, mesh=mesh)
+        return fully_shard(net, mesh=mesh), {}
     if engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
         return FullyShardedDataParallel(net, use_orig_params=True, device_id=torch.device("cpu"),
-                                        auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
-    raise SystemExit(f"--engine {engine}: this session ships ddp, fsdp1 and fsdp2 "
-                     "(DeepSpeed and accelerate are not wired yet).")
+                                        auto_wrap_policy=ModuleWrapPolicy({GPT2Block})), {}
+    raise SystemExit(f"--engine {engine}: use ddp, fsdp1, fsdp2 or accelerate "
+                     "(DeepSpeed is not wired yet).")
 
 
 def run(engine: str, steps: int, check: bool) -> int:
-    dist.init_process_group("gloo")
+    if engine != "accelerate":  # accelerate's Accelerator starts the process group itself
+        dist.init_process_group("gloo")
+    wrapped, options = wrap_with_engine(engine, _net())
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        wrapped = wrap_with_engine(engine, _net())
-        model = distgrad.wrap(wrapped)
+        model = distgrad.wrap(wrapped, **options)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
         batches = _batch(steps, world)
         tables = []

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "job.py")
-ENGINES = ["ddp", "fsdp1", "fsdp2"]
+ENGINES = ["ddp", "fsdp1", "fsdp2", "accelerate"]
 CASES = ["case_read_edit", "case_saves", "case_uneven", "case_param_write",
          "case_rank_dependent_save", "case_failure"]
 WORLD = 2
@@ -60,4 +60,14 @@ def test_demo_under_torchrun_matches_one_process(engine):
     proc = subprocess.run(["bash", str(script), engine], capture_output=True, text=True,
                           timeout=300, env={**__import__("os").environ, "NPROC": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check against one process, plain autograd, global batch: OK" in proc.stdout
+
+
+def test_demo_under_accelerate_launch():
+    """launch/accelerate.sh: `accelerate launch` with the shipped CPU config, 2 processes."""
+    import subprocess
+    script = Path(__file__).parent.parent / "launch" / "accelerate.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "engine accelerate, 2 ranks" in proc.stdout
     assert "check against one process, plain autograd, global batch: OK" in proc.stdout

@@ -7,10 +7,14 @@ from .base import Engine
 from .local import LocalEngine
 
 
-def select(obj) -> Engine:
-    """The engine for what the user wrapped: DDP, FSDP1, FSDP2 (``fully_shard``), or plain."""
+def select(obj, accelerator=None) -> Engine:
+    """The engine for what the user wrapped: DDP, FSDP1, FSDP2 (``fully_shard``), a model
+    prepared by accelerate (with its ``accelerator``), or a plain module."""
     if isinstance(obj, Engine):
         return obj
+    if accelerator is not None:
+        from .accelerate import AccelerateEngine
+        return AccelerateEngine(obj, accelerator, select(obj))
     from torch.nn.parallel import DistributedDataParallel
     if isinstance(obj, DistributedDataParallel):
         from .ddp import DDPEngine

@@ -224,11 +224,12 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     distgrad.config.failure_timeout = 3.0
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.engine != "accelerate":  # the Accelerator starts the process group itself
+        dist.init_process_group("gloo")
     results = {}
-    wrapped = wrap_with_engine(args.engine, build())
-    model = distgrad.wrap(wrapped)
+    wrapped, options = wrap_with_engine(args.engine, build())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = distgrad.wrap(wrapped, **options)
     for case in CASES[args.cases]:
         try:
             case(model, wrapped, rank, world)

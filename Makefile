@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[test,docs]'
+	# DeepSpeed is an sdist whose build imports torch: build it against the torch above.
+	DS_BUILD_OPS=0 $(PIP) install -c constraints.txt --no-build-isolation 'deepspeed>=0.15'
 	touch $@
 
 demo: $(STAMP)

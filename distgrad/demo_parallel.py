@@ -31,7 +31,7 @@ def _batch(steps: int, world: int):
     return [torch.randint(0, 384, (2 * world, 8), generator=g) for _ in range(steps)]
 
 
-def wrap_with_engine(engine: str, net):
+def wrap_with_engine(engine: str, net, lr: float = 0.1, ds_config: str | None = None):
     """The tiny GPT-2 under one engine, the way the demo, launch scripts and tests use it.
     Returns what the user would hand to ``distgrad.wrap`` and the keyword arguments for it."""
     if engine == "accelerate":
@@ -39,6 +39,15 @@ def wrap_with_engine(engine: str, net):
         accelerator = Accelerator(cpu=True)
         return accelerator.prepare(net), {"accelerator": accelerator}
     world = dist.get_world_size()
+    if engine.startswith("zero"):
+        import deepspeed
+        import json
+        path = ds_config or os.path.join(os.path.dirname(__file__), "..", "launch", f"{engine}.json")
+        with open(path) as f:
+            config = json.load(f)
+        optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+        ds_engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
+        return ds_engine, {"deepspeed": True}
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(net), {}
@@ -59,13 +68,12 @@ def wrap_with_engine(engine: str, net):
                      "(DeepSpeed is not wired yet).")
 
 
-def run(engine: str, steps: int, check: bool) -> int:
-    if engine != "accelerate":  # accelerate's Accelerator starts the process group itself
-        dist.init_process_group("gloo")
-    wrapped, options = wrap_with_engine(engine, _net())
+def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> int:
+    _init(engine)
+    wrapped, options = wrap_with_engine(engine, _net(), ds_config=ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        model = distgrad.wrap(wrapped, **options)
+        model = distgrad.wrap(wrapped, accelerator=options.get("accelerator"))
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
         batches = _batch(steps, world)
         tables = []
@@ -77,8 +85,11 @@ def run(engine: str, steps: int, check: bool) -> int:
                 with loss.backward():
                     grads = [a.grad.save() for a in reversed(acts)][::-1]
                     acts[0].grad = acts[0].grad * 0.5
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if options.get("deepspeed"):
+                wrapped.step()  # DeepSpeed's own optimizer step (and gradient reset)
+            else:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             tables.append([g.norm().item() for g in grads])
         if rank == 0:
             print(f"engine {engine}, {world} ranks, {steps} steps; saved gradient norms (global batch):")
@@ -87,19 +98,30 @@ def run(engine: str, steps: int, check: bool) -> int:
                 print(f"{s:4} " + "".join(f"{v:12.6f}" for v in row))
         bad = 0
         if check:
-            weight = model.transformer.h[0].mlp.c_fc.weight  # full values: collective on FSDP
+            weight = model.transformer.h[0].mlp.c_fc.weight  # full values: collective on FSDP/ZeRO
             full = weight.full_tensor() if hasattr(weight, "full_tensor") else _full(wrapped, weight)
             if rank == 0:
                 ref_tables, ref_weight = _reference(batches, world)
                 ok = all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
                          for a, b in zip(tables, ref_tables))
-                ok = ok and torch.allclose(full, ref_weight, atol=1e-5, rtol=0)
+                ok = ok and full.numel() == ref_weight.numel() and torch.allclose(
+                    full.reshape(ref_weight.shape), ref_weight, atol=1e-5, rtol=0)
                 print("check against one process, plain autograd, global batch:",
                       "OK" if ok else "MISMATCH")
                 bad = 0 if ok else 1
         return bad
     finally:
         dist.destroy_process_group()
+
+
+def _init(engine: str) -> None:
+    """Start the process group (accelerate's Accelerator starts its own)."""
+    if engine == "accelerate":
+        return
+    dist.init_process_group("gloo")
+    if engine.startswith("zero"):
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo")
 
 
 def _full(wrapped, weight):

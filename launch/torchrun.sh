@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The main job on 2 CPU processes (gloo) under torchrun, with its check against one process.
-#   launch/torchrun.sh [ddp|fsdp1|fsdp2] [--steps N]
+#   launch/torchrun.sh [ddp|fsdp1|fsdp2|accelerate|zero1|zero2|zero3] [--steps N]
 # NPROC sets the number of processes (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 engine="${1:-ddp}"
 shift || true
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/torchrun --nproc_per_node "${NPROC:-2}" -m distgrad.demo --engine "$engine" --check "$@"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+exec .venv/bin/torchrun --nproc_per_node "${NPROC:-2}" --master_port "${MASTER_PORT:-29500}" -m distgrad.demo --engine "$engine" --check "$@"

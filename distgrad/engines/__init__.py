@@ -15,6 +15,9 @@ def select(obj, accelerator=None) -> Engine:
     if accelerator is not None:
         from .accelerate import AccelerateEngine
         return AccelerateEngine(obj, accelerator, select(obj))
+    if type(obj).__name__ == "DeepSpeedEngine":  # no import: deepspeed is optional and slow
+        from .deepspeed import DeepSpeedEngineAdapter
+        return DeepSpeedEngineAdapter(obj)
     from torch.nn.parallel import DistributedDataParallel
     if isinstance(obj, DistributedDataParallel):
         from .ddp import DDPEngine

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import distgrad
-from distgrad.demo_parallel import wrap_with_engine
+from distgrad.demo_parallel import _init, wrap_with_engine
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 torch.set_num_threads(1)
@@ -35,6 +35,15 @@ def build():
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=384)).eval()
+
+
+def clear_grads(wrapped):
+    if type(wrapped).__name__ == "DeepSpeedEngine":
+        # ZeRO keeps accumulating into its partitioned buffers until an optimizer step; the
+        # job's optimizer has lr=0, so a step clears them and leaves the weights alone.
+        wrapped.step()
+    else:
+        wrapped.zero_grad(set_to_none=True)
 
 
 def global_ids(n_rows: int):
@@ -108,7 +117,7 @@ def case_read_edit(model, wrapped, rank, world):
     for name in PARAMS:  # a collective on sharded engines: every rank reads
         got = param_envoy(model, name).grad
         close(got, ref["params"][name] / world, f"reduced grad of {name}")
-    wrapped.zero_grad(set_to_none=True)
+    clear_grads(wrapped)
 
 
 def case_saves(model, wrapped, rank, world):
@@ -139,7 +148,7 @@ def case_uneven(model, wrapped, rank, world):
             g = a1.grad.save()
     if rank == 0:
         close(g, oracle(ids)["g0"], "gathered gradient, uneven batches")
-    wrapped.zero_grad(set_to_none=True)
+    clear_grads(wrapped)
 
 
 def case_param_write(model, wrapped, rank, world):
@@ -152,7 +161,7 @@ def case_param_write(model, wrapped, rank, world):
     weight.grad = weight.grad * 0.5
     ref = oracle(ids)["params"]["transformer.h.1.mlp.c_fc.weight"] / world
     close(weight.grad, ref * 0.5, "gradient after assignment through distgrad")
-    wrapped.zero_grad(set_to_none=True)
+    clear_grads(wrapped)
 
 
 def case_rank_dependent_save(model, wrapped, rank, world):
@@ -224,12 +233,11 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     distgrad.config.failure_timeout = 3.0
-    if args.engine != "accelerate":  # the Accelerator starts the process group itself
-        dist.init_process_group("gloo")
+    _init(args.engine)
     results = {}
-    wrapped, options = wrap_with_engine(args.engine, build())
+    wrapped, options = wrap_with_engine(args.engine, build(), lr=0.0)
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = distgrad.wrap(wrapped, **options)
+    model = distgrad.wrap(wrapped, accelerator=options.get("accelerator"))
     for case in CASES[args.cases]:
         try:
             case(model, wrapped, rank, world)

@@ -7,6 +7,9 @@ import socket
 import subprocess
 import sys
 
+# every engine the jobs and launch scripts cover
+ENGINES = ["ddp", "fsdp1", "fsdp2", "accelerate", "zero1", "zero2", "zero3"]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -19,7 +22,8 @@ def run_ranks(argv: list[str], world: int, timeout: float = 300) -> list[subproc
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   DS_ACCELERATOR="cpu")
         procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     done = []

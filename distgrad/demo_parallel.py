@@ -111,7 +111,8 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
                 bad = 0 if ok else 1
         return bad
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # distgrad destroys it on every rank after a failure
+            dist.destroy_process_group()
 
 
 def _init(engine: str) -> None:

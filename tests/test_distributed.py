@@ -19,9 +19,9 @@ CASES = ["case_read_edit", "case_saves", "case_uneven", "case_param_write",
 WORLD = 2
 
 
-def _job(engine, cases, tmp_path_factory):
+def _job(engine, cases, tmp_path_factory, world=WORLD):
     out = tmp_path_factory.mktemp(f"{engine}-{cases}")
-    procs = run_ranks([JOB, "--engine", engine, "--cases", cases, "--out", str(out)], WORLD)
+    procs = run_ranks([JOB, "--engine", engine, "--cases", cases, "--out", str(out)], world)
     results = []
     for rank, proc in enumerate(procs):
         path = out / f"rank{rank}.json"
@@ -50,3 +50,15 @@ def test_killed_rank_is_reported(tmp_path_factory):
     assert procs[0].returncode == 0, procs[0].stdout[-3000:]
     assert results[0].get("case_killed") == "ok", results[0]
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_four_ranks(engine, tmp_path_factory):
+    """Every case on 4 ranks: uneven batches of 2,1,1,1 rows, gathers of 4 parts, rank 1 failing
+    while three others wait."""
+    procs, results = _job(engine, "all", tmp_path_factory, world=4)
+    for rank, (proc, result) in enumerate(zip(procs, results)):
+        assert proc.returncode == 0, f"rank {rank}:\n{proc.stdout[-3000:]}"
+        for case in CASES:
+            assert result.get(case) == "ok", f"{engine} rank {rank} {case}:\n{result.get(case)}"

@@ -1,15 +1,29 @@
 """What every multi-process engine shares: ranks, the end-of-trace gather, and failure.
 
-A failure on one rank must reach all of them without a hang. The failing rank writes its
-message to the process group's store and shuts its process group down; every peer blocked in
-a collective (DDP's all-reduce, FSDP's all-gather, distgrad's own gather) then fails within
-milliseconds, reads the message and raises ``RankFailedError`` naming that rank. A peer that
-dies without a word (killed) breaks its connections the same way; the others then wait at most
-``distgrad.config.failure_timeout`` seconds for a message before saying that a rank was lost.
+A failure on one rank must reach all of them without a hang:
+
+* The failing rank writes ``"<rank>\n<message>"`` to the job's store under a key for the current
+  trace, destroys its process group and re-raises its own error; when its script ends, its
+  connections close, and every peer blocked in a collective with it (DDP's all-reduce, FSDP's
+  all-gather, distgrad's gather) fails.
+* A peer's failed collective arrives in the trace as a communication error; the peer raises
+  ``RankFailedError`` naming the failing rank and its message, and its own script ending closes
+  the next connections (a ring on 4 ranks fails rank by rank).
+* The peer may only fail after the store's host has exited (without torchrun's agent the store
+  lives in rank 0), so a watcher thread per engine reads the key while a trace runs and keeps
+  the message; rank 0 waits, at most ``3 x distgrad.config.failure_timeout`` seconds, until
+  every peer has read it before it returns.
+* A rank that dies without a word (killed) closes its connections the same way; the others
+  wait at most ``failure_timeout`` seconds for a message, then report a lost rank.
+
+After a failure the process group is gone on every rank: guard teardown with
+``if dist.is_initialized(): dist.destroy_process_group()``.
 """
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -31,6 +45,10 @@ class DistributedEngine(Engine):
         self._world = dist.get_world_size(self.group)
         self._traces = 0
         self._exchange = collective.Exchange(self.group, self._rank, self._world)
+        # held here so that it outlives the process group we destroy on a failure (without
+        # torchrun's agent, the store's server lives in rank 0's process)
+        self._store = _store()
+        self._watch = _Watch(self)
 
     @property
     def rank(self) -> int:
@@ -62,34 +80,76 @@ class DistributedEngine(Engine):
             return None
         if _is_comm_error(error):
             return self._peer_failure(error)
-        store = _store()
-        message = f"rank {self._rank}: {type(error).__name__}: {error}"
         try:
-            store.set(self._key(), message)
+            self._store.set(self._key(), f"{self._rank}\nrank {self._rank}: "
+                                         f"{type(error).__name__}: {error}")
         except Exception:  # the store's host may be gone too; the peers then say "lost"
             pass
-        _shutdown(self.group)
+        _break_connections()
         return None  # re-raise the user's own error on this rank
 
     def _peer_failure(self, error: BaseException) -> RankFailedError:
         from ..backward import config
-        store = _store()
+        key = self._key()
         deadline = time.monotonic() + config.failure_timeout
-        message = None
-        while time.monotonic() < deadline:
-            try:
-                if store.check([self._key()]):
-                    message = store.get(self._key()).decode()
-                    break
-            except Exception:
-                break
-            time.sleep(0.05)
-        _shutdown(self.group)
-        if message is None:
+        found = self._watch.seen.get(key)
+        while found is None and time.monotonic() < deadline:
+            found = self._watch.read(key)
+            if found is None:
+                time.sleep(0.05)
+        _break_connections()
+        if found is None:
             return RankFailedError(
                 f"rank {self._rank}: a peer rank stopped answering during the trace (killed or "
                 f"crashed without a Python error): {str(error).splitlines()[0][:200]}")
+        failing, message = found
+        if self._rank == 0:
+            self._wait_for_readers(key, failing, 3 * config.failure_timeout)
         return RankFailedError(f"rank {self._rank} stopped because {message}")
+
+    def _wait_for_readers(self, key: str, failing: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        readers = [f"{key}/read/{r}" for r in range(self._world) if r not in (0, failing)]
+        try:
+            while readers and not self._store.check(readers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:
+            pass
+
+
+class _Watch:
+    """Reads the current trace's failure key every 0.1 s, so that a peer knows the message
+    before the store's host is gone. One daemon thread per engine; it ends with the engine."""
+
+    def __init__(self, engine: DistributedEngine):
+        self.store, self.rank = engine._store, engine._rank
+        self.seen: dict = {}
+        ref = weakref.ref(engine)
+        self.thread = threading.Thread(target=self._loop, args=(ref,), daemon=True,
+                                       name=f"distgrad-failure-watch-{self.rank}")
+        self.thread.start()
+
+    def read(self, key: str):
+        try:
+            if not self.store.check([key]):
+                return None
+            failing, message = self.store.get(key).decode().split("\n", 1)
+            self.store.set(f"{key}/read/{self.rank}", "1")
+        except Exception:
+            return None
+        self.seen[key] = (int(failing), message)
+        return self.seen[key]
+
+    def _loop(self, ref) -> None:
+        while True:
+            time.sleep(0.1)
+            engine = ref()
+            if engine is None or not dist.is_initialized():
+                return
+            key = f"distgrad/failure/{engine._traces + 1}"  # the trace now running
+            del engine
+            if key not in self.seen:
+                self.read(key)
 
 
 def _is_comm_error(error: BaseException) -> bool:
@@ -102,11 +162,11 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
-def _shutdown(group) -> None:
-    """Break the group's connections so that every peer's pending collective fails now."""
-    pg = group if group is not None else dist.group.WORLD
+def _break_connections() -> None:
+    """Close this rank's connections so that every peer's pending collective fails now."""
     try:
-        pg.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except Exception:
         pass
 

@@ -247,7 +247,8 @@ def main():
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
             json.dump(results, f, indent=1)
     try:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a failure case leaves it destroyed on every rank
+            dist.destroy_process_group()
     except Exception as exc:  # recorded: a clean exit is part of the contract
         results["teardown"] = repr(exc)
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:

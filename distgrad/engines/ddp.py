@@ -27,9 +27,3 @@ class DDPEngine(DistributedEngine):
     def model(self) -> torch.nn.Module:
         return self.wrapped.module
 
-    @property
-    def root(self) -> torch.nn.Module:
-        return self.wrapped
-
-    def forward(self, args, kwargs):
-        return self.wrapped(*args, **kwargs)

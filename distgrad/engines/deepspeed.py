@@ -27,12 +27,6 @@ class DeepSpeedEngineAdapter(DistributedEngine):
     def model(self) -> torch.nn.Module:
         return self.wrapped.module
 
-    @property
-    def root(self) -> torch.nn.Module:
-        return self.wrapped
-
-    def forward(self, args, kwargs):
-        return self.wrapped(*args, **kwargs)
 
     def backward(self, tensor, fn, args, kwargs):
         if args or "gradient" in kwargs:

@@ -50,6 +50,19 @@ class DistributedEngine(Engine):
         self._store = _store()
         self._watch = _Watch(self)
 
+    # The wrapper is what runs the forward, and its output is model.output; engines whose
+    # wrapper keeps the user's model elsewhere (DDP's .module) override ``model``.
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.wrapped
+
+    @property
+    def root(self) -> torch.nn.Module:
+        return self.wrapped
+
+    def forward(self, args, kwargs):
+        return self.wrapped(*args, **kwargs)
+
     @property
     def rank(self) -> int:
         return self._rank

@@ -30,19 +30,12 @@ class FSDP1Engine(DistributedEngine):
     def model(self) -> torch.nn.Module:
         return self.unwrap(self.wrapped)
 
-    @property
-    def root(self) -> torch.nn.Module:
-        return self.wrapped
-
     def unwrap(self, module):
         while True:
             inner = next((module._modules[n] for n in _WRAPPER_CHILDREN if n in module._modules), None)
             if inner is None:
                 return module
             module = inner
-
-    def forward(self, args, kwargs):
-        return self.wrapped(*args, **kwargs)
 
     def param(self, param, path):
         return FullParam(self.wrapped, param, path)

@@ -10,20 +10,11 @@
 """
 from __future__ import annotations
 
-import torch
-
 from .distributed import DistributedEngine
 
 
 class FSDP2Engine(DistributedEngine):
     name = "fsdp2"
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.wrapped
-
-    def forward(self, args, kwargs):
-        return self.wrapped(*args, **kwargs)
 
     def param(self, param, path):
         return ShardedParam(param, path)
@@ -44,14 +35,12 @@ class ShardedParam:
     @grad.setter
     def grad(self, value):
         from torch.distributed.tensor import distribute_tensor
-        local = self.param.to_local() if hasattr(self.param, "to_local") else self.param
         if value is None:
             self.param.grad = None
             return
         if tuple(value.shape) != tuple(self.param.shape):
             raise ValueError(f"{self.path}.grad = ...: expected the full shape "
                              f"{list(self.param.shape)}, got {list(value.shape)}.")
-        del local
         self.param.grad = distribute_tensor(value.detach().to(self.param.dtype),
                                             self.param.device_mesh, self.param.placements)
 

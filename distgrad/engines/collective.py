@@ -48,6 +48,7 @@ class Exchange:
         self.group, self.rank, self.world = group, rank, world
         self.capacity = 0
         self._plans: dict = {}
+        self._buffers = None  # (send, receive) for the current capacity, reused across traces
 
     @torch.no_grad()
     def __call__(self, saves: list) -> list:
@@ -73,11 +74,10 @@ class Exchange:
             head = torch.tensor([int(fits), len(items), needed, len(meta)] + (meta if fits else []),
                                 dtype=torch.int64).view(torch.uint8)
             size = max(self.capacity, 8 * _HEADER)
-            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            buffer, gathered = self._buffers_for(size, device)
             buffer[: head.numel()] = head
             if fits and payload.numel():
                 buffer[head.numel(): needed] = payload
-            gathered = torch.empty(self.world * size, dtype=torch.uint8, device=device)
             _all_gather(gathered, buffer, self.group)
             parts = gathered.view(self.world, size)
             heads = parts[:, : 8 * _HEADER].view(torch.int64).tolist()
@@ -102,6 +102,15 @@ class Exchange:
             plan = self._plans[layout] = _Plan(layout, wanted, size)
         values = plan.apply(gathered)
         return [(items[i][0], v) for i, v in zip(wanted, values)]
+
+
+    def _buffers_for(self, size: int, device):
+        cached = self._buffers
+        if cached is None or cached[0].numel() != size or cached[0].device != device:
+            cached = self._buffers = (torch.empty(size, dtype=torch.uint8, device=device),
+                                      torch.empty(self.world * size, dtype=torch.uint8,
+                                                  device=device))
+        return cached
 
 
 class _Plan:

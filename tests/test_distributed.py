@@ -44,8 +44,10 @@ def test_engine_case_on_every_rank(engine_job, case):
 
 
 @pytest.mark.slow
-def test_killed_rank_is_reported(tmp_path_factory):
-    procs, results = _job("ddp", "killed", tmp_path_factory)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_killed_rank_is_reported(engine, tmp_path_factory):
+    """Rank 1 is SIGKILLed inside the body; rank 0 raises RankFailedError and exits normally."""
+    procs, results = _job(engine, "killed", tmp_path_factory)
     assert procs[1].returncode == -9  # the rank really died
     assert procs[0].returncode == 0, procs[0].stdout[-3000:]
     assert results[0].get("case_killed") == "ok", results[0]

@@ -21,6 +21,7 @@ After a failure the process group is gone on every rank: guard teardown with
 """
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import weakref
@@ -137,10 +138,20 @@ class _Watch:
     def __init__(self, engine: DistributedEngine):
         self.store, self.rank = engine._store, engine._rank
         self.seen: dict = {}
+        self.stopped = threading.Event()
         ref = weakref.ref(engine)
         self.thread = threading.Thread(target=self._loop, args=(ref,), daemon=True,
                                        name=f"distgrad-failure-watch-{self.rank}")
         self.thread.start()
+        # Stop and join before the interpreter tears down: a daemon thread killed in the middle
+        # of a store call at exit can abort the process ("terminate called without an active
+        # exception").
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=5)
 
     def read(self, key: str):
         try:
@@ -154,8 +165,7 @@ class _Watch:
         return self.seen[key]
 
     def _loop(self, ref) -> None:
-        while True:
-            time.sleep(0.1)
+        while not self.stopped.wait(0.1):
             engine = ref()
             if engine is None or not dist.is_initialized():
                 return

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import greenlet
 import torch
 
-from .errors import OutOfOrderError, TraceStateError
+from .errors import TraceStateError
 from .session import BODIES, Body, Session, current_body
 
 PLAIN = object()  # read_grad's answer when the read is PyTorch's own

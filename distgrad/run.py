@@ -68,10 +68,6 @@ class GreenletRun:
         self.glet = None
         self.finished = False
 
-    @property
-    def started(self) -> bool:
-        return self.glet is not None or self.finished
-
     def resume(self, reply=None):
         # The run returns to whoever resumed it: the body, or the invoke scheduler.
         if self.glet is None:
@@ -121,10 +117,6 @@ class ThreadRun:
         self._aborting = False
         # CUDA device and stream are per thread: the worker must use the body's.
         self._stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
-
-    @property
-    def started(self) -> bool:
-        return self.thread is not None
 
     def _main(self):
         if self._stream is not None:

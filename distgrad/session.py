@@ -112,7 +112,6 @@ class Session:
         self.slices: dict | None = None  # id(view) -> (view, full) for values split by invoke
         self.paused_value = None
         self.finished = False
-        self.result = None
 
     # -- points ---------------------------------------------------------------------------
     def module_point(self, module, path: str, kind: str) -> ModulePoint:
@@ -172,7 +171,6 @@ class Session:
         self.finished = True
         if event[0] == "error":
             raise event[1]
-        self.result = event[1]
 
     def finish(self) -> None:
         while not self.finished:

@@ -150,7 +150,8 @@ class Trace:
             self.forward.finish()
 
     def stop_at(self, body: Body, envoy: Envoy, kind: str):
-        path, module, call = envoy._path.split(".call(")[0], envoy._module, envoy._call
+        module, call = envoy._module, envoy._call
+        path = envoy._path if call is None else envoy._path.rsplit(".call(", 1)[0]
         session = self.forward if body.rows is not None else self.forward_session()
         if body.block is not None or (session is not None and session.finished):
             raise OutOfOrderError(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import distgrad
-from conftest import ATOL, TEXT, assert_param_grads, param_grads
+from conftest import ATOL, TEXT, param_grads
 
 pytestmark = pytest.mark.usefixtures("backward_mode")
 

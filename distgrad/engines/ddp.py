@@ -12,16 +12,11 @@
 from __future__ import annotations
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
-
 from .distributed import DistributedEngine
 
 
 class DDPEngine(DistributedEngine):
     name = "ddp"
-
-    def __init__(self, wrapped: DistributedDataParallel):
-        super().__init__(wrapped, group=wrapped.process_group)
 
     @property
     def model(self) -> torch.nn.Module:

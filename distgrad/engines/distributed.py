@@ -41,6 +41,8 @@ class DistributedEngine(Engine):
         if not dist.is_initialized():
             raise RuntimeError(f"distgrad.wrap() got a {type(wrapped).__name__} but "
                                "torch.distributed is not initialised in this process.")
+        # DDP and FSDP1 wrappers carry their process group; otherwise the default one
+        group = group if group is not None else getattr(wrapped, "process_group", None)
         self.group = group if group is not None else dist.group.WORLD
         self._rank = dist.get_rank(self.group)
         self._world = dist.get_world_size(self.group)

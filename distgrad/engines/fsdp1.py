@@ -23,9 +23,6 @@ _WRAPPER_CHILDREN = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 class FSDP1Engine(DistributedEngine):
     name = "fsdp1"
 
-    def __init__(self, wrapped: FSDP):
-        super().__init__(wrapped, group=wrapped.process_group)
-
     @property
     def model(self) -> torch.nn.Module:
         return self.unwrap(self.wrapped)

@@ -124,19 +124,28 @@ def case_saves(model, wrapped, rank, world):
     sizes = [2] * world
     ids = global_ids(sum(sizes))
     local = ids[rows_of(rank, sizes)]
-    with model.trace(local):
-        logits = model.output.logits
-        total = logits.sum().save()                      # 0-dim: stacked to [world]
-        everywhere = logits.save(gather="all")
-        mine = logits[:, -1].save(gather="none")
-        last = logits[:, -1, :5].save(dim=0)
     ref = oracle(ids)["losses"]
     sums = torch.stack([ref[rows_of(r, sizes)].sum() for r in range(world)])
-    if rank == 0:
-        close(total, sums, "stacked 0-dim save")
-        close(last, ref[:, -1, :5], "second save of the trace")
-    close(everywhere, ref, "gather='all' save")
-    close(mine, ref[rows_of(rank, sizes)][:, -1], "gather='none' save")
+    across = torch.cat([ref[rows_of(r, sizes)][:, :2, :3] for r in range(world)], dim=1)
+    for step in range(2):  # the second trace repeats the layout: the cached plan must hold
+        with model.trace(local):
+            logits = model.output.logits
+            total = logits.sum().save()                      # 0-dim: stacked to [world]
+            everywhere = logits.save(gather="all")
+            mine = logits[:, -1].save(gather="none")
+            last = logits[:, -1, :5].save(dim=0)
+        if rank == 0:
+            close(total, sums, "stacked 0-dim save")
+            close(last, ref[:, -1, :5], "second save of the trace")
+        close(everywhere, ref, "gather='all' save")
+        close(mine, ref[rows_of(rank, sizes)][:, -1], "gather='none' save")
+    for step in range(2):  # another batch dim, and two dtypes in one trace
+        with model.trace(local):
+            tokens = distgrad.save(model.transformer.wte.input)
+            side = model.output.logits[:, :2, :3].save(dim=1)
+        if rank == 0:
+            close(side, across, "save joined on dim 1")
+            assert torch.equal(tokens, ids), "int64 save next to a float save"
 
 
 def case_uneven(model, wrapped, rank, world):

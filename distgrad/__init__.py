@@ -19,7 +19,7 @@ from .trace import Model, Trace
 __version__ = "0.1.0"
 
 
-def wrap(module, tokenizer=None, accelerator=None) -> Model:
+def wrap(module, tokenizer=None, accelerator=None, tp_shards: dict | None = None) -> Model:
     """Wrap a module, or an engine's wrapper of one, for tracing.
 
     Args:
@@ -28,10 +28,15 @@ def wrap(module, tokenizer=None, accelerator=None) -> Model:
         tokenizer: used by ``trace()`` to turn a ``str`` or ``list[str]`` into model inputs.
         accelerator: the ``accelerate.Accelerator`` that prepared ``module``; backward blocks
             then run ``accelerator.backward(loss)``.
+        tp_shards: for a model split with ``parallelize_module``: modules that are not
+            parallelized themselves but return a local shard (sequence parallelism's decoder
+            layers), ``{name as in named_modules(): sharded dim}``, so that the body sees their
+            values whole. See docs/engines/tensor_parallel.md.
     Returns:
         a :class:`Model` whose attributes mirror the user's module tree.
     """
-    return Model(engines.select(module, accelerator=accelerator), tokenizer=tokenizer)
+    return Model(engines.select(module, accelerator=accelerator, tp_shards=tp_shards),
+                 tokenizer=tokenizer)
 
 
 BackwardTracer.install()

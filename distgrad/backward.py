@@ -85,7 +85,8 @@ class BackwardTracer:
                     body.block = self
                     return self
                 body.trace.finish_forward()
-            self.session = Session("backward", self._run, [body], threaded=_threaded(self.tensor))
+            self.session = Session("backward", self._run, [body], threaded=_threaded(self.tensor),
+                                   views=getattr(self.backend, "views", None))
         except BaseException:
             self._leave()
             raise
@@ -206,20 +207,27 @@ def grad_stop(body: Body, tensor: torch.Tensor):
     block = body.block
     if block.session is None:
         return body.trace.invoke_grad(body, tensor)
-    if not tensor.requires_grad:
+    session = block.session
+    target, split = tensor, None
+    if session.views is not None:  # a value shown whole: hook the shard that flows on
+        found = session.views.source(tensor)
+        if found is not None:
+            target, split = found
+    if not target.requires_grad:
         raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because it "
                          f"does not require grad (computed under torch.no_grad() or from frozen "
                          f"inputs only).")
-    session = block.session
-    point = session.grad_point(tensor)
+    point = session.grad_point(target)
+    if split is not None:
+        point.split = split
     key = (point, point.calls)
-    return session.request(body, key, lambda: grad_passed(block.tensor, tensor, body),
+    return session.request(body, key, lambda: grad_passed(block.tensor, tensor, body, target),
                            tensor=tensor)
 
 
-def grad_passed(root: torch.Tensor, tensor: torch.Tensor, body: Body):
+def grad_passed(root: torch.Tensor, tensor: torch.Tensor, body: Body, target=None):
     label = body.label_of(tensor)  # worded only on this error path: naming costs ~14 us
-    if not _reaches(root.grad_fn, tensor):
+    if not _reaches(root.grad_fn, tensor if target is None else target):
         return ValueError(f"{label}.grad: the backward of {body.label_of(root)} finished without a "
                 f"gradient reaching {label}; it is not on the path from that tensor to the "
                 f"inputs. Open the backward block on a tensor computed from {label}.")

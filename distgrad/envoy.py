@@ -15,7 +15,7 @@ from .session import _UNSET, current_body
 
 
 class Envoy:
-    __slots__ = ("_module", "_path", "_children", "_call", "_parent", "_engine")
+    __slots__ = ("_module", "_path", "_children", "_call", "_parent", "_engine", "_local")
 
     def __init__(self, module: torch.nn.Module, path: str, call: int | None = None,
                  parent: "Envoy | None" = None, engine=None):
@@ -26,6 +26,7 @@ class Envoy:
         object.__setattr__(self, "_children", {})
         object.__setattr__(self, "_call", call)
         object.__setattr__(self, "_parent", parent)
+        object.__setattr__(self, "_local", False)
 
     def _ancestors(self):
         envoy = self._parent
@@ -96,6 +97,16 @@ class Envoy:
             raise ValueError(f"{self._path}.call(i) needs an int i >= 0, got {i!r}.")
         return Envoy(self._module, f"{self._path}.call({i})", call=i, parent=self._parent,
                      engine=self._engine)
+
+    @property
+    def local(self) -> "Envoy":
+        """This module as this rank holds it: under tensor parallelism ``.local.output`` is the
+        rank's shard as the module returned it, with no communication. Elsewhere the same as
+        the envoy itself."""
+        envoy = Envoy(self._module, f"{self._path}.local", call=self._call, parent=self._parent,
+                      engine=self._engine)
+        object.__setattr__(envoy, "_local", True)
+        return envoy
 
     # -- values ---------------------------------------------------------------------------
     def _stop(self, kind: str):

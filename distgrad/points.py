@@ -56,6 +56,7 @@ class GradPoint:
     def __init__(self, session, tensor: torch.Tensor):
         self.session = session
         self.calls = 0
+        self.split = None  # how the gradient is sharded (tensor parallel), to show it whole
         # A hook on the tensor itself: fires with the gradient w.r.t. exactly this tensor, and
         # what it returns replaces that gradient for everything upstream.
         self.handle = tensor.register_hook(self._on_grad)

@@ -36,6 +36,7 @@ class Body:
         self.pending = None         # key (point, call) this body waits for
         self.pending_rows = rows    # rows of that key's value it will see
         self.pending_tensor = None  # for a gradient key: the tensor whose .grad the body wants
+        self.pending_local = False  # asked through `.local`: this rank's shard, as it is
         self.stop = None            # Stop: where the run is paused for this body
         self.block = None           # the open BackwardTracer, if any
         self.saves: list = []
@@ -101,7 +102,8 @@ def _passed(passed_message) -> Exception:
 
 
 class Session:
-    def __init__(self, kind: str, fn, bodies: list[Body], size: int = 0, threaded: bool = False):
+    def __init__(self, kind: str, fn, bodies: list[Body], size: int = 0, threaded: bool = False,
+                 views=None):
         self.kind = kind            # "forward" or "backward"
         self.run = ThreadRun(fn) if threaded else GreenletRun(fn)
         self.bodies = bodies
@@ -111,6 +113,8 @@ class Session:
         self.served: list[Body] = []
         self.slices: dict | None = None  # id(view) -> (view, full) for values split by invoke
         self.paused_value = None
+        self.views = views          # the engine's TensorParallelViews, or None: values as they are
+        self.paused_token = None    # what views.show returned for the paused value
         self.finished = False
 
     # -- points ---------------------------------------------------------------------------
@@ -131,7 +135,8 @@ class Session:
         return self.run.hand(key, value)
 
     # -- the body side --------------------------------------------------------------------
-    def request(self, body: Body, key, passed_message, rows=_UNSET, tensor=None) -> Stop:
+    def request(self, body: Body, key, passed_message, rows=_UNSET, tensor=None,
+                local: bool = False) -> Stop:
         """Stop where ``key`` fires and return the body's view of it (its ``rows`` of it)."""
         if body.stop is not None and body.stop.key == key:
             return body.stop
@@ -140,6 +145,7 @@ class Session:
         body.pending = key
         body.pending_rows = body.rows if rows is _UNSET else rows
         body.pending_tensor = tensor
+        body.pending_local = local
         self.wanted[key] = self.wanted.get(key, 0) + 1
         try:
             if body.scheduler is None:
@@ -161,6 +167,8 @@ class Session:
         event = self.run.resume(reply)
         if event[0] == "point":
             _, key, value = event
+            if self.views is not None:
+                value, self.paused_token = self._show(key, value)
             self.paused_value = value
             for body in self.bodies:
                 if body.pending == key:
@@ -194,8 +202,29 @@ class Session:
         point = key[0]
         return "grad" if isinstance(point, GradPoint) else point.kind
 
+    def _show(self, key, value):
+        point = key[0]
+        if isinstance(point, GradPoint):
+            if point.split is None:
+                return value, None
+            whole, split = self.views.show_grad(point.split, value)
+            return whole, ("grad", split)
+        if all(b.pending_local for b in self.bodies if b.pending == key):
+            return value, None
+        whole, token = self.views.show(point.kind, point.module, value)
+        return whole, (None if token is None else ("value", token))
+
     def _reply(self):
         served, self.served = self.served, []
+        token, self.paused_token = self.paused_token, None
+        reply = self._merged_reply(served)
+        if token is None:
+            return reply
+        if token[0] == "grad":
+            return None if reply is None else self.views.place_grad(token[1], reply)
+        return self.views.place(token[1], reply)
+
+    def _merged_reply(self, served):
         if not served:
             return None
         if all(b.stop.rows is None for b in served):

@@ -141,7 +141,8 @@ class Trace:
                                   "`with tracer.invoke(...):` blocks.")
         call = self.engine.generate if self.method == "generate" else self.engine.forward
         size = batching.batch_size(args, kwargs) if bodies[0].rows is not None else 0
-        return Session("forward", lambda: call(args, kwargs), bodies, size=size)
+        return Session("forward", lambda: call(args, kwargs), bodies, size=size,
+                       views=self.engine.views)
 
     def finish_forward(self) -> None:
         if self.forward is None and not self.invokes:
@@ -178,7 +179,8 @@ class Trace:
                 f"{path}.{kind} (call {call}) was requested after the run had already passed it "
                 f"(the module has run {point.calls} time(s) since the trace first named it). "
                 f"Name repeated modules before the forward reaches them.")
-        return session.request(body, (point, call), lambda: _passed(path, kind, point))
+        return session.request(body, (point, call), lambda: _passed(path, kind, point),
+                               local=envoy._local)
 
 
 def _passed(path: str, kind: str, point) -> str:

@@ -7,11 +7,20 @@ from .base import Engine
 from .local import LocalEngine
 
 
-def select(obj, accelerator=None) -> Engine:
+def select(obj, accelerator=None, tp_shards: dict | None = None) -> Engine:
     """The engine for what the user wrapped: DDP, FSDP1, FSDP2 (``fully_shard``), a model
-    prepared by accelerate (with its ``accelerator``), or a plain module."""
+    prepared by accelerate (with its ``accelerator``), a model split by ``parallelize_module``
+    (alone or under ``fully_shard``), or a plain module."""
     if isinstance(obj, Engine):
         return obj
+    if isinstance(obj, torch.nn.Module) and accelerator is None:
+        from . import tensor_parallel
+        parallel = tensor_parallel.find_parallel_modules(obj)
+        if parallel:
+            return tensor_parallel.select_engine(obj, parallel, tp_shards)
+    if tp_shards:
+        raise ValueError("distgrad.wrap(..., tp_shards=...) is for models split with "
+                         "parallelize_module, and this one is not.")
     if accelerator is not None:
         from .accelerate import AccelerateEngine
         return AccelerateEngine(obj, accelerator, select(obj))

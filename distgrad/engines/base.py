@@ -21,6 +21,9 @@ class Engine:
     """
 
     name = "base"
+    # How hook values are shown to the body: None shows them as they are. Tensor parallelism
+    # sets a ``TensorParallelViews`` (whole values in, shards out); see tensor_parallel.py.
+    views = None
 
     def __init__(self, wrapped: Any):
         self.wrapped = wrapped

@@ -36,7 +36,7 @@ from .base import Engine
 
 class DistributedEngine(Engine):
 
-    def __init__(self, wrapped, group=None):
+    def __init__(self, wrapped, group=None, gather: bool = True):
         super().__init__(wrapped)
         if not dist.is_initialized():
             raise RuntimeError(f"distgrad.wrap() got a {type(wrapped).__name__} but "
@@ -44,10 +44,14 @@ class DistributedEngine(Engine):
         # DDP and FSDP1 wrappers carry their process group; otherwise the default one
         group = group if group is not None else getattr(wrapped, "process_group", None)
         self.group = group if group is not None else dist.group.WORLD
-        self._rank = dist.get_rank(self.group)
+        self._rank = dist.get_rank(self.group)       # within the group saves are gathered over
         self._world = dist.get_world_size(self.group)
+        # failures are told to the whole job, by global rank (the gather group may be smaller:
+        # the data-parallel dimension of a 2-D mesh)
+        self._job_rank, self._job_world = dist.get_rank(), dist.get_world_size()
         self._traces = 0
-        self._exchange = collective.Exchange(self.group, self._rank, self._world)
+        # gather=False: every rank already holds the global values (tensor parallel alone)
+        self._exchange = collective.Exchange(self.group, self._rank, self._world) if gather else None
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
         self._store = _store()
@@ -77,8 +81,12 @@ class DistributedEngine(Engine):
     # -- the end of every trace -----------------------------------------------------------
     def end_trace(self, saves: list, error: BaseException | None):
         self._traces += 1
+        if self.views is not None:
+            self.views.clear()
         if error is not None:
             return self._fail(error)
+        if self._exchange is None:
+            return None
         try:
             results = self._exchange(saves)
         except RuntimeError as exc:  # the group broke under us: a peer failed
@@ -97,7 +105,7 @@ class DistributedEngine(Engine):
         if _is_comm_error(error):
             return self._peer_failure(error)
         try:
-            self._store.set(self._key(), f"{self._rank}\nrank {self._rank}: "
+            self._store.set(self._key(), f"{self._job_rank}\nrank {self._job_rank}: "
                                          f"{type(error).__name__}: {error}")
         except Exception:  # the store's host may be gone too; the peers then say "lost"
             pass
@@ -116,16 +124,17 @@ class DistributedEngine(Engine):
         _break_connections()
         if found is None:
             return RankFailedError(
-                f"rank {self._rank}: a peer rank stopped answering during the trace (killed or "
+                f"rank {self._job_rank}: a peer rank stopped answering during the trace (killed or "
                 f"crashed without a Python error): {str(error).splitlines()[0][:200]}")
         failing, message = found
-        if self._rank == 0:
+        if self._job_rank == 0:
             self._wait_for_readers(key, failing, 3 * config.failure_timeout)
-        return RankFailedError(f"rank {self._rank} stopped because {message}")
+        return RankFailedError(f"rank {self._job_rank} stopped because {message}")
 
     def _wait_for_readers(self, key: str, failing: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        readers = [f"{key}/read/{r}" for r in range(self._world) if r not in (0, failing)]
+        readers = [f"{key}/read/{r}" for r in range(self._job_world)
+                   if r not in (0, failing)]
         try:
             while readers and not self._store.check(readers) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -138,7 +147,7 @@ class _Watch:
     before the store's host is gone. One daemon thread per engine; it ends with the engine."""
 
     def __init__(self, engine: DistributedEngine):
-        self.store, self.rank = engine._store, engine._rank
+        self.store, self.rank = engine._store, engine._job_rank
         self.seen: dict = {}
         self.stopped = threading.Event()
         ref = weakref.ref(engine)

@@ -1,0 +1,140 @@
+"""The main job under tensor parallelism: ``torchrun --nproc_per_node 2 -m distgrad.demo --engine tp``.
+
+A tiny Llama (HF's GPT-2 uses Conv1D, which torch's tensor parallel styles do not split) is
+split over all ranks with ``parallelize_llama``: attention and MLP projections column- then
+row-wise. Every rank feeds the same batch; the body saves the gradient reaching each decoder
+layer and the (sharded) output of layer 0's ``up_proj`` seen whole, and halves the gradient
+reaching layer 0; SGD steps. ``--check`` replays the steps on one process, unsplit, and compares
+the saved gradients and the trained weights (fp32, atol 1e-5).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+import distgrad
+
+SCALE = 1e-3  # gradients of order 1 (see tests/dist/job.py)
+
+
+def build_llama(layers: int = 2) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=384,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float().eval()
+
+
+def parallelize_llama(model: torch.nn.Module, mesh, sequence_parallel: bool = False):
+    """Split each decoder layer's projections over ``mesh`` (torch's Megatron-style plan).
+
+    With ``sequence_parallel`` the residual stream is also split along the sequence (norms run
+    ``SequenceParallel``); HF Llama then needs ``position_ids`` passed explicitly, because it
+    derives them from the (local) sequence length."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    out = Shard(1) if sequence_parallel else Replicate()
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=out),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=out)}
+    if sequence_parallel:
+        parallelize_module(model, mesh, {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        plan.update({
+            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            # HF passes the attention's input by keyword only
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    return model
+
+
+def batches(steps: int):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 384, (2, 8), generator=g) for _ in range(steps)]
+
+
+def traced_steps(model, params, ids_list, opt):
+    tables, ups = [], []
+    for ids in ids_list:
+        with model.trace(ids):
+            layers = model.model.layers
+            acts = [layers[i].output for i in range(len(layers))]
+            acts = [a[0] if isinstance(a, tuple) else a for a in acts]
+            loss = model.output.logits.sum() * SCALE
+            with loss.backward():
+                grads = [a.grad.save() for a in reversed(acts)][::-1]
+                acts[0].grad = acts[0].grad * 0.5
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tables.append([g.norm().item() for g in grads])
+    return tables
+
+
+def reference_steps(ids_list):
+    net = build_llama()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    tables = []
+    for ids in ids_list:
+        acts = []
+
+        def keep(mod, args, out):
+            out = out[0] if isinstance(out, tuple) else out
+            acts.append(out)
+            out.retain_grad()
+            if mod is net.model.layers[0]:
+                out.register_hook(lambda g: g * 0.5)
+
+        hooks = [layer.register_forward_hook(keep) for layer in net.model.layers]
+        loss = net(ids).logits.sum() * SCALE
+        for h in hooks:
+            h.remove()
+        loss.backward()
+        norms = [a.grad.norm().item() for a in acts]
+        norms[0] = (acts[0].grad * 2).norm().item()  # retain_grad shows it after the halving
+        tables.append(norms)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return tables, net
+
+
+def run(steps: int, check: bool) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        net = parallelize_llama(build_llama(), mesh)
+        model = distgrad.wrap(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        ids_list = batches(steps)
+        tables = traced_steps(model, None, ids_list, opt)
+        weight = model.model.layers[0].mlp.up_proj.weight.full_tensor()  # every rank gathers
+        if rank == 0:
+            print(f"engine tp, {world} ranks, {steps} steps; saved gradient norms:")
+            print("step " + "".join(f"{'layers[%d]' % i:>12}" for i in range(len(tables[0]))))
+            for s, row in enumerate(tables):
+                print(f"{s:4} " + "".join(f"{v:12.6f}" for v in row))
+        if not check or rank != 0:
+            return 0
+        ref_tables, ref = reference_steps(ids_list)
+        ok = all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+                 for a, b in zip(tables, ref_tables))
+        ok = ok and torch.allclose(weight, ref.model.layers[0].mlp.up_proj.weight, atol=1e-5, rtol=0)
+        print("check against one process, unsplit, plain autograd:", "OK" if ok else "MISMATCH")
+        return 0 if ok else 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,278 @@
+"""Tensor parallel: models split with ``torch.distributed.tensor.parallel.parallelize_module``.
+
+What the body sees: every value whole, as on one process. A module's output, input or gradient
+that is sharded across the tensor-parallel ranks - a local shard (``ColwiseParallel`` returns
+one by default) or a ``DTensor`` (``SequenceParallel``'s norms) - is all-gathered when the body
+asks for it: one collective per value the body visits, on every rank in the same order, because
+every rank runs the same body. What the body assigns (or edits in place) is cut back to this
+rank's shard before the run goes on; no collective is needed for that.
+
+How a plain tensor's sharding is known: ``parallelize_module`` leaves no record of the plan, but
+the hooks it registers close over the style's layouts (``torch/distributed/tensor/_api.py``,
+``distribute_module``; ``parallel/style.py``). ``find_parallel_modules`` reads them once, at
+``wrap``. A module that is not itself parallelized is taken to return replicated values (true for
+every module of a Colwise/Rowwise plan); under sequence parallelism such modules (a decoder layer)
+return sequence shards with no mark on them: name those in ``wrap(..., tp_shards={path: dim})``.
+
+Gradients: ``x.grad`` of a value shown whole hooks the tensor that really flows on (the local
+shard or the DTensor) and gathers its gradient the same way; an assignment is cut back.
+
+The shown value is a differentiable function of the shard (``DTensor.full_tensor()``), and an
+edited value flows on as a slice of it, so autograd sees the same edit as on one process; the
+backward of that slice is local (no collective).
+
+``.local`` opts out per request: ``model.layers[0].mlp.up_proj.local.output`` is this rank's
+shard as the module returned it, with no communication.
+
+Parameter gradients: tensor-parallel weights are DTensors; ``.grad`` through distgrad is the full
+gradient (``full_tensor()``) and assignment stores this rank's part, as with FSDP2.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from .distributed import DistributedEngine
+from .fsdp2 import ShardedParam
+
+
+# -- reading the plan back from the hooks ----------------------------------------------------
+def _cells(hook) -> dict:
+    code = getattr(hook, "__code__", None)
+    if code is None or not hook.__closure__:
+        return {}
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, hook.__closure__)}
+
+
+def _style(fn) -> str:
+    func = getattr(fn, "func", fn)
+    return getattr(func, "__qualname__", "").split(".")[0]
+
+
+def _output_placement(module):
+    """(mesh, placement of the plain tensor the module returns) for a parallelized module, or
+    (mesh, None) when it returns replicated values or DTensors, or None if not parallelized."""
+    mesh, placement, parallel = None, None, False
+    seq_dim = None
+    for hook in module._forward_pre_hooks.values():
+        cells = _cells(hook)
+        if "device_mesh" in cells and ("input_fn" in cells or "self" in cells):
+            mesh, parallel = cells["device_mesh"], True
+            fn = cells.get("input_fn")
+            if fn is not None and _style(fn) == "SequenceParallel":
+                seq_dim = fn.args[0][0]
+    for hook in module._forward_hooks.values():
+        cells = _cells(hook)
+        if "device_mesh" not in cells:
+            continue
+        mesh, parallel = cells["device_mesh"], True
+        fn, style = cells.get("output_fn"), cells.get("self")
+        if fn is not None and _style(fn) in ("ColwiseParallel", "RowwiseParallel"):
+            layouts, use_local = fn.args
+            placement = layouts[0] if use_local else None
+        elif fn is not None and _style(fn) == "SequenceParallel":
+            placement = seq_dim if fn.args[0] else None
+        elif style is not None and type(style).__name__ == "PrepareModuleOutput":
+            layouts = style.desired_output_layouts
+            placement = layouts[0] if style.use_local_output else None
+    if not parallel:
+        return None
+    if placement is not None and placement.is_replicate():
+        placement = None
+    return mesh, placement
+
+
+def find_parallel_modules(model: torch.nn.Module) -> dict:
+    """``{module: (mesh, placement or None)}`` for every module ``parallelize_module`` touched."""
+    found = {}
+    for module in model.modules():
+        info = _output_placement(module)
+        if info is not None:
+            found[module] = info
+    return found
+
+
+# -- whole values and shards -----------------------------------------------------------------
+def _dtensor():
+    from torch.distributed.tensor import DTensor
+    return DTensor
+
+
+def _norm(placement, ndim: int):
+    from torch.distributed.tensor import Shard
+    if placement.is_shard() and placement.dim < 0:
+        return Shard(placement.dim + ndim)
+    return placement
+
+
+def _whole(local: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """The full tensor of a plain shard (differentiable; one all-gather)."""
+    placements = [_norm(p, local.dim()) for p in placements]
+    # clone: full_tensor() returns a view made inside a custom Function, which autograd would
+    # not let the body edit in place
+    return _dtensor().from_local(local, mesh, placements, run_check=False).full_tensor().clone()
+
+
+def _piece(full: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """This rank's part of ``full`` under ``placements`` (local; differentiable)."""
+    piece = full
+    for mesh_dim, placement in enumerate(placements):
+        coord, size = mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim)
+        if placement.is_shard():
+            piece = torch.chunk(piece, size, dim=placement.dim % full.dim())[coord]
+        elif placement.is_partial():
+            piece = piece if coord == 0 else piece * 0
+    return piece.contiguous()
+
+
+class TensorParallelViews:
+    """Shows the body whole values and puts its replies back as shards (see the module text)."""
+
+    def __init__(self, model: torch.nn.Module, parallel: dict, shards: dict | None = None):
+        self.parallel = parallel
+        self.mesh = next(iter(parallel.values()))[0]
+        from torch.distributed.tensor import Shard
+        for module, dim in (shards or {}).items():
+            self.parallel[module] = (self.mesh, Shard(dim))
+        self.sources: dict = {}  # id(whole) -> (whole, tensor that flows on, how it is split)
+
+    def clear(self) -> None:
+        self.sources.clear()
+
+    # -- hook values ---------------------------------------------------------------------
+    def show(self, kind: str, module, value):
+        """``(whole value, token)``; token None when nothing was sharded."""
+        DTensor = _dtensor()
+        plain = self.parallel.get(module, (None, None))[1] if kind == "output" else None
+        if isinstance(value, torch.Tensor) and plain is None and not isinstance(value, DTensor):
+            return value, None
+        leaves, spec = pytree.tree_flatten(value)
+        shown, converted = list(leaves), []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, DTensor):
+                split = (leaf.device_mesh, tuple(leaf.placements), True, leaf.shape, leaf.stride())
+                whole = leaf.full_tensor().clone()  # editable in place (see _whole)
+            elif plain is not None and isinstance(leaf, torch.Tensor):
+                split = (self.mesh, (plain,), False, None, None)
+                whole = _whole(leaf, self.mesh, split[1])
+            else:
+                continue
+            shown[i] = whole
+            converted.append((i, whole, whole._version, split))
+            self.sources[id(whole)] = (whole, leaf, split)
+        if not converted:
+            return value, None
+        return pytree.tree_unflatten(shown, spec), (spec, leaves, converted)
+
+    def place(self, token, reply):
+        """The reply the hook returns: the body's whole values cut back to shards (None: the
+        body changed nothing)."""
+        spec, leaves, converted = token
+        if reply is None:  # edited in place, if at all
+            if all(whole._version == version for _, whole, version, _ in converted):
+                return None
+            new_leaves = list(leaves)
+            for i, whole, _, _ in converted:
+                new_leaves[i] = whole
+        else:
+            new_leaves, reply_spec = pytree.tree_flatten(reply)
+            if reply_spec != spec:
+                raise ValueError("a replacement for a tensor-parallel value must keep the "
+                                 f"structure of the value it replaces ({spec}), got {reply_spec}.")
+        out = list(new_leaves)
+        for i, _, _, split in converted:
+            new = new_leaves[i]
+            if isinstance(new, torch.Tensor):
+                out[i] = self._cut(new, split)
+                self.sources[id(new)] = (new, out[i], split)
+        return pytree.tree_unflatten(out, spec)
+
+    def _cut(self, whole: torch.Tensor, split):
+        mesh, placements, is_dtensor, shape, stride = split
+        piece = _piece(whole, mesh, placements)
+        if is_dtensor:
+            return _dtensor().from_local(piece, mesh, placements, run_check=False,
+                                         shape=shape, stride=stride)
+        return piece
+
+    # -- gradients -----------------------------------------------------------------------
+    def source(self, tensor):
+        """(the tensor to hook, how its gradient is split) for a value shown whole, or None."""
+        entry = self.sources.get(id(tensor))
+        if entry is None or entry[0] is not tensor:
+            return None
+        return entry[1], entry[2]
+
+    def show_grad(self, split, grad):
+        mesh, placements, is_dtensor, _, _ = split
+        with torch.no_grad():
+            if isinstance(grad, _dtensor()):
+                split = (grad.device_mesh, tuple(grad.placements), True, grad.shape, grad.stride())
+                return grad.full_tensor(), split
+            return _whole(grad, mesh, placements), split
+
+    def place_grad(self, split, whole):
+        with torch.no_grad():
+            return self._cut(whole, split)
+
+
+class TensorParallelEngine(DistributedEngine):
+    """A model split by ``parallelize_module`` on one tensor-parallel mesh, with no data
+    parallelism: every rank holds the same (whole) values, so saves are not gathered."""
+
+    name = "tp"
+
+    def __init__(self, model: torch.nn.Module, views: TensorParallelViews):
+        super().__init__(model, group=dist.group.WORLD, gather=False)
+        self.views = views
+
+    def param(self, param, path):
+        return ShardedParam(param, path) if isinstance(param, _dtensor()) else param
+
+
+def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
+    """The engine for a model ``parallelize_module`` touched: tensor parallel alone, or under
+    FSDP2 / DDP on the other dimension of a 2-D mesh (saves are gathered over that one)."""
+    from torch.nn.parallel import DistributedDataParallel
+    from . import _is_fully_sharded
+    model = obj.module if isinstance(obj, DistributedDataParallel) else obj
+    named = {}
+    for name, dim in (shards or {}).items():
+        try:
+            named[model.get_submodule(name)] = dim
+        except AttributeError:
+            raise ValueError(f"distgrad.wrap(..., tp_shards={{{name!r}: {dim}}}): the model has "
+                             f"no module {name!r}; use names as model.named_modules() gives "
+                             f"them, e.g. 'model.layers.0'.") from None
+    views = TensorParallelViews(model, parallel, named)
+    if isinstance(obj, DistributedDataParallel):
+        from .ddp import DDPEngine
+        engine = DDPEngine(obj)
+    elif _is_fully_sharded(obj):
+        from .fsdp2 import FSDP2Engine
+        engine = FSDP2Engine(obj, group=_data_group(obj, views.mesh))
+    else:
+        engine = TensorParallelEngine(obj, views)
+    engine.views = views
+    return engine
+
+
+def _data_group(model: torch.nn.Module, tp_mesh):
+    """The process group of the data-parallel dimension of an FSDP2 x TP model's mesh."""
+    tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
+    DTensor = _dtensor()
+    for param in model.parameters():
+        if not isinstance(param, DTensor):
+            continue
+        mesh = param.device_mesh
+        names = mesh.mesh_dim_names or ()
+        if mesh.ndim == 1 and (not names or names[0] != tp_name):
+            return mesh.get_group()
+        others = [n for n in names if n != tp_name]
+        if mesh.ndim == 2 and len(others) == 1:
+            return mesh[others[0]].get_group()
+    raise NotImplementedError(
+        "distgrad found tensor parallelism under fully_shard but could not tell the data-parallel "
+        "dimension of the mesh: build it with init_device_mesh(..., mesh_dim_names=('dp', 'tp')) "
+        "and shard with fully_shard(model, mesh=mesh['dp']).")

@@ -1,0 +1,215 @@
+"""One tensor-parallel job: every case on a tiny Llama split by parallelize_module, one process
+group. Usage: tp_job.py --layout {tp,sp,fsdp-tp} --out DIR (ranks from the environment).
+
+* tp: Colwise/Rowwise projections over all ranks (2).
+* sp: the same plus sequence parallelism (norms and the residual stream split on dim 1).
+* fsdp-tp: a (dp, tp) = (2, 2) mesh on 4 ranks, fully_shard over dp after TP.
+
+Oracle: the same model unsplit on one process with plain PyTorch hooks doing the same edits,
+on the global batch (fp32, atol 1e-5).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import distgrad
+from distgrad.demo_tp import build_llama, parallelize_llama
+
+torch.set_num_threads(1)
+ATOL = 1e-5
+SCALE = 1e-3
+SEQ = 8
+
+
+def close(a, b, what):
+    if a.shape != b.shape:
+        raise AssertionError(f"{what}: shape {list(a.shape)} != {list(b.shape)}")
+    diff = (a - b).abs().max().item()
+    if diff > ATOL:
+        raise AssertionError(f"{what}: max abs diff {diff:.3g} > {ATOL}")
+
+
+def global_ids(rows: int):
+    return torch.randint(0, 384, (rows, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def oracle(ids, sequence: bool, dp: int):
+    """One process: the edits of case_read_edit done with plain hooks."""
+    net = build_llama()
+    l0, l1 = net.model.layers[0], net.model.layers[1]
+    seen = {}
+
+    def keep(name):
+        def hook(mod, args, out):
+            seen[name] = out.detach().clone()
+        return hook
+
+    def q_hook(mod, args, out):
+        seen["q"] = out.detach().clone()
+
+        def on_grad(g):
+            seen["gq"] = g.detach().clone()
+            return g * 2
+        out.register_hook(on_grad)
+
+    def up_hook(mod, args, out):
+        out = out.clone()
+        out[:, :, :4] = 0
+        return out
+
+    def gate_hook(mod, args, out):
+        out = out * 1.5
+        out.register_hook(lambda g: seen.__setitem__("gg", g.detach().clone()))
+        return out
+
+    def norm_hook(mod, args, out):
+        seen["norm"] = out.detach().clone()
+        out = out.clone()
+        out[:, 0] = 0
+        return out
+
+    def layer_hook(mod, args, out):
+        out = out[0] if isinstance(out, tuple) else out
+        seen["h0"] = out.detach().clone()
+        out.register_hook(lambda g: seen.__setitem__("gh0", g.detach().clone()))
+
+    handles = [l0.self_attn.q_proj.register_forward_hook(q_hook),
+               l0.self_attn.k_proj.register_forward_hook(keep("k")),
+               l0.self_attn.o_proj.register_forward_pre_hook(
+                   lambda m, a: seen.__setitem__("o_in", a[0].detach().clone())),
+               l0.mlp.up_proj.register_forward_hook(up_hook),
+               l1.mlp.gate_proj.register_forward_hook(gate_hook)]
+    if sequence:
+        handles += [l1.post_attention_layernorm.register_forward_hook(norm_hook),
+                    l0.register_forward_hook(layer_hook)]
+    out = net(ids)
+    (out.logits.sum() * SCALE / dp).backward()
+    seen["params"] = {n: p.grad.clone() for n, p in net.named_parameters()}
+    seen["logits"] = out.logits.detach()
+    return seen
+
+
+def case_read_edit(model, net, ctx):
+    """Reads (output shard, DTensor input, opt-in local shard), an in-place edit, an
+    assignment, gradient reads and a gradient edit, all against the unsplit model."""
+    rank, dp, dp_rank, tp_rank, sequence = ctx
+    ids = global_ids(2 * dp)
+    local = ids[2 * dp_rank: 2 * dp_rank + 2]
+    kwargs = {"position_ids": torch.arange(SEQ)[None]} if sequence else {}
+    with model.trace(local, **kwargs):
+        l0, l1 = model.model.layers[0], model.model.layers[1]
+        q = l0.self_attn.q_proj.output.save()
+        k_local = l0.self_attn.k_proj.local.output.save(gather="none")
+        o_in = l0.self_attn.o_proj.input.save()
+        l0.mlp.up_proj.output[:, :, :4] = 0
+        if sequence:
+            h0 = l0.output  # a sequence shard that only tp_shards= makes known
+            norm = l1.post_attention_layernorm.output
+            saved_norm = norm.clone().save()
+            norm[:, 0] = 0
+        gate = l1.mlp.gate_proj.output * 1.5
+        l1.mlp.gate_proj.output = gate
+        logits = model.output.logits.save()
+        with (model.output.logits.sum() * SCALE).backward():
+            gg = gate.grad.save()
+            if sequence:
+                gh0 = h0.grad.save()
+            gq = q.grad.save()
+            q.grad = q.grad * 2
+    ref = oracle(ids, sequence, dp)
+    rows = slice(None) if dp_rank == 0 else slice(2 * dp_rank, 2 * dp_rank + 2)
+    # where the data-parallel rank is 0 (global rank 0 among them) the saves are the global
+    # batch, gathered over the dp group; elsewhere they are this rank's rows
+    close(q, ref["q"][rows], "q_proj output (shard seen whole)")
+    close(o_in, ref["o_in"][rows], "o_proj input (DTensor seen whole)")
+    half = ref["k"].shape[-1] // 2
+    close(k_local, ref["k"][2 * dp_rank: 2 * dp_rank + 2, :, tp_rank * half:(tp_rank + 1) * half],
+          ".local shard")
+    close(logits, ref["logits"][rows], "logits after the edits")
+    close(gg, ref["gg"][rows] * dp, "gradient of an assigned replacement")
+    close(gq, ref["gq"][rows] * dp, "gradient of a sharded output")
+    if sequence:
+        close(saved_norm, ref["norm"][rows], "SequenceParallel norm output (DTensor)")
+        close(gh0, ref["gh0"][rows] * dp, "gradient of a declared sequence shard")
+    for name, want in ref["params"].items():
+        got = model
+        for part in name.split("."):
+            got = got[int(part)] if part.isdigit() else getattr(got, part)
+        close(full(got.grad), want, f"gradient of {name}")
+    net.zero_grad(set_to_none=True)
+
+
+def case_failure(model, net, ctx):
+    rank = ctx[0]
+    start = time.monotonic()
+    ids = global_ids(2)
+    try:
+        with model.trace(ids, **({"position_ids": torch.arange(SEQ)[None]} if ctx[4] else {})):
+            q = model.model.layers[0].self_attn.q_proj.output
+            loss = model.output.logits.sum()
+            if rank == 1:
+                1 / 0
+            with loss.backward():
+                q.grad
+    except ZeroDivisionError:
+        if rank != 1:
+            raise
+        return
+    except distgrad.RankFailedError as exc:
+        if rank == 1 or "rank 1" not in str(exc) or time.monotonic() - start > 30:
+            raise AssertionError(f"wrong failure report on rank {rank}: {exc}")
+        return
+    raise AssertionError("no error reached this rank")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layout", required=True, choices=["tp", "sp", "fsdp-tp"])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    distgrad.config.failure_timeout = 3.0
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sequence = args.layout == "sp"
+    if args.layout == "fsdp-tp":
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        net = parallelize_llama(build_llama(), mesh["tp"])
+        for layer in net.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        net = fully_shard(net, mesh=mesh["dp"])
+        dp, dp_rank, tp_rank = 2, mesh.get_local_rank(0), mesh.get_local_rank(1)
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        net = parallelize_llama(build_llama(), mesh, sequence_parallel=sequence)
+        dp, dp_rank, tp_rank = 1, 0, rank
+    model = distgrad.wrap(net, tp_shards={"model.layers.0": 1} if sequence else None)
+    ctx = (rank, dp, dp_rank, tp_rank, sequence)
+    results = {}
+    for case in (case_read_edit, case_failure):
+        try:
+            case(model, net, ctx)
+            results[case.__name__] = "ok"
+        except Exception:
+            results[case.__name__] = traceback.format_exc()
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,7 +3,7 @@
 A tiny Llama (HF's GPT-2 uses Conv1D, which torch's tensor parallel styles do not split) is
 split over all ranks with ``parallelize_llama``: attention and MLP projections column- then
 row-wise. Every rank feeds the same batch; the body saves the gradient reaching each decoder
-layer and the (sharded) output of layer 0's ``up_proj`` seen whole, and halves the gradient
+layer and the (column-sharded) output of layer 0's ``up_proj`` seen whole, and halves the gradient
 reaching layer 0; SGD steps. ``--check`` replays the steps on one process, unsplit, and compares
 the saved gradients and the trained weights (fp32, atol 1e-5).
 """
@@ -66,11 +66,12 @@ def batches(steps: int):
     return [torch.randint(0, 384, (2, 8), generator=g) for _ in range(steps)]
 
 
-def traced_steps(model, params, ids_list, opt):
-    tables, ups = [], []
+def traced_steps(model, ids_list, opt):
+    tables = []
     for ids in ids_list:
         with model.trace(ids):
             layers = model.model.layers
+            up = layers[0].mlp.up_proj.output.save()  # column-sharded: gathered whole
             acts = [layers[i].output for i in range(len(layers))]
             acts = [a[0] if isinstance(a, tuple) else a for a in acts]
             loss = model.output.logits.sum() * SCALE
@@ -79,7 +80,7 @@ def traced_steps(model, params, ids_list, opt):
                 acts[0].grad = acts[0].grad * 0.5
         opt.step()
         opt.zero_grad(set_to_none=True)
-        tables.append([g.norm().item() for g in grads])
+        tables.append([up.norm().item()] + [g.norm().item() for g in grads])
     return tables
 
 
@@ -97,14 +98,17 @@ def reference_steps(ids_list):
             if mod is net.model.layers[0]:
                 out.register_hook(lambda g: g * 0.5)
 
+        ups = []
         hooks = [layer.register_forward_hook(keep) for layer in net.model.layers]
+        hooks.append(net.model.layers[0].mlp.up_proj.register_forward_hook(
+            lambda m, a, out: ups.append(out.detach())))
         loss = net(ids).logits.sum() * SCALE
         for h in hooks:
             h.remove()
         loss.backward()
         norms = [a.grad.norm().item() for a in acts]
         norms[0] = (acts[0].grad * 2).norm().item()  # retain_grad shows it after the halving
-        tables.append(norms)
+        tables.append([ups[0].norm().item()] + norms)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return tables, net
@@ -120,11 +124,12 @@ def run(steps: int, check: bool) -> int:
         model = distgrad.wrap(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         ids_list = batches(steps)
-        tables = traced_steps(model, None, ids_list, opt)
+        tables = traced_steps(model, ids_list, opt)
         weight = model.model.layers[0].mlp.up_proj.weight.full_tensor()  # every rank gathers
         if rank == 0:
-            print(f"engine tp, {world} ranks, {steps} steps; saved gradient norms:")
-            print("step " + "".join(f"{'layers[%d]' % i:>12}" for i in range(len(tables[0]))))
+            print(f"engine tp, {world} ranks, {steps} steps; norms of the saved values:")
+            print("step " + f"{'up_proj out':>12}" +
+                  "".join(f"{'grad l[%d]' % i:>12}" for i in range(len(tables[0]) - 1)))
             for s, row in enumerate(tables):
                 print(f"{s:4} " + "".join(f"{v:12.6f}" for v in row))
         if not check or rank != 0:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on 2 CPU processes (gloo) under torchrun, with its check against one process.
-#   launch/torchrun.sh [ddp|fsdp1|fsdp2|accelerate|zero1|zero2|zero3] [--steps N]
+#   launch/torchrun.sh [ddp|fsdp1|fsdp2|accelerate|zero1|zero2|zero3|tp] [--steps N]
+# tp splits a tiny Llama over all processes (tensor parallel; distgrad/demo_tp.py).
 # NPROC sets the number of processes (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."

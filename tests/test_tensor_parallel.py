@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "tp_job.py")
-CASES = ["case_read_edit", "case_failure"]
+CASES = ["case_read_edit", "case_collectives", "case_failure"]
 
 
 @pytest.mark.parametrize("layout, world", [("tp", 2), ("sp", 2), ("fsdp-tp", 4)])

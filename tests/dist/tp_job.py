@@ -151,6 +151,38 @@ def case_read_edit(model, net, ctx):
     net.zero_grad(set_to_none=True)
 
 
+def case_collectives(model, net, ctx):
+    """One collective per value the body visits, none for `.local` or replicated values: the
+    counts of a trace that reads nothing and of one that reads differ by exactly the visits."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    kwargs = {"position_ids": torch.arange(SEQ)[None]} if ctx[4] else {}
+    ids = global_ids(2)
+
+    def count(body):
+        with CommDebugMode() as comm:
+            with model.trace(ids, **kwargs):
+                body()
+                with (model.output.logits.sum() * SCALE).backward():
+                    pass
+        net.zero_grad(set_to_none=True)
+        return comm.get_total_counts()
+
+    def reads():
+        l0 = model.model.layers[0]
+        l0.self_attn.q_proj.output                  # a local shard: one all-gather
+        l0.self_attn.k_proj.local.output            # opted out: none
+        l0.self_attn.o_proj.input                   # a DTensor: one all-gather
+        l0.mlp.up_proj.output                       # one
+        model.model.layers[1].output                # replicated (plain TP), or under sp a
+                                                    # sequence shard not named in tp_shards: none
+
+    base, visited = count(lambda: None), count(reads)
+    expected = 3
+    if visited - base != expected:
+        raise AssertionError(f"{visited - base} collectives for {expected} sharded visits "
+                             f"(a trace without reads made {base})")
+
+
 def case_failure(model, net, ctx):
     rank = ctx[0]
     start = time.monotonic()
@@ -199,7 +231,7 @@ def main():
     model = distgrad.wrap(net, tp_shards={"model.layers.0": 1} if sequence else None)
     ctx = (rank, dp, dp_rank, tp_rank, sequence)
     results = {}
-    for case in (case_read_edit, case_failure):
+    for case in (case_read_edit, case_collectives, case_failure):
         try:
             case(model, net, ctx)
             results[case.__name__] = "ok"

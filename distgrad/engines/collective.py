@@ -65,38 +65,37 @@ class Exchange:
         last = self._last
         same = last is not None and last[0] == key
         self._last = None  # set again only when this trace's exchange completes
-        if tensors and all(t.dtype == tensors[0].dtype for t in tensors):
-            payload = _flatten(tensors).view(torch.uint8)
+        if tensors and (same or all(t.dtype == tensors[0].dtype for t in tensors)) and \
+                (not same or last[3]):
+            payload = _flatten(tensors).view(torch.uint8)  # one dtype: one C++ call
         elif tensors:
             payload = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
         else:
             payload = torch.empty(0, dtype=torch.uint8)
+        nbytes = payload.numel()
         if same:
-            head = last[1]
+            head = last[1]  # flags already say "fits" and "same layout as before"
         else:
             meta = []
             for t, mode, dim in items:
                 meta += [_CODE[t.dtype], _MODES.index(mode), dim, t.dim(), *t.shape]
-            head = torch.tensor([0, len(items), 8 * (_HEADER + len(meta)) + payload.numel(),
+            head = torch.tensor([1, len(items), 8 * (_HEADER + len(meta)) + nbytes,
                                  len(meta), 0] + meta, dtype=torch.int64).view(torch.uint8)
-        needed = head.numel() + payload.numel()
+        needed = head.numel() + nbytes
         device = tensors[0].device if tensors else torch.device("cpu")
         while True:
             fits = needed <= self.capacity
             size = max(self.capacity, 8 * _HEADER)
             buffer, gathered = self._buffers_for(size, device)
-            flags = buffer[:16].view(torch.int64)
             if fits:
                 buffer[: head.numel()] = head
-                if payload.numel():
+                if nbytes:
                     buffer[head.numel(): needed] = payload
             else:  # only the header's first fields: the others learn the size this rank needs
                 buffer[: 8 * _HEADER] = head[: 8 * _HEADER]
-            flags[0] = int(fits)
-            buffer[32:40].view(torch.int64)[0] = int(same)
+                buffer[:8].view(torch.int64).fill_(0)
             _all_gather(gathered, buffer, self.group)
-            parts = gathered.view(self.world, size)
-            heads = parts[:, : 8 * _HEADER].view(torch.int64).tolist()
+            heads = self._buffers[2].tolist()  # every rank's header fields
             if all(h[0] for h in heads):
                 break
             # headroom for growing shapes; a multiple of 8 so that the headers view as int64
@@ -112,12 +111,17 @@ class Exchange:
         else:
             wanted = [i for i, (_, mode, _) in enumerate(items) if mode == "all" or self.rank == 0]
             width = max(h[3] for h in heads)
+            parts = gathered.view(self.world, size)
             metas = parts[:, 8 * _HEADER: 8 * (_HEADER + width)].view(torch.int64).tolist()
             layout = tuple(tuple(m[: h[3]]) for m, h in zip(metas, heads))
             plan = self._plans.get((layout, size))
             if plan is None:
                 plan = self._plans[(layout, size)] = _Plan(layout, wanted, size, self.world)
-        self._last = (key, head, plan)
+        if not same:  # next time, if the layout repeats: say so in the header
+            head = head.clone()
+            head[32:40].view(torch.int64).fill_(1)
+        one_dtype = len({t.dtype for t in tensors}) <= 1 if not same else last[3]
+        self._last = (key, head, plan, one_dtype)
         if not plan.wanted:
             return []
         values = plan.apply(gathered)
@@ -126,10 +130,11 @@ class Exchange:
     def _buffers_for(self, size: int, device):
         cached = self._buffers
         if cached is None or cached[0].numel() != size or cached[0].device != device:
+            gathered = torch.empty(self.world * size, dtype=torch.uint8, device=device)
+            heads = gathered.view(self.world, size)[:, : 8 * _HEADER].view(torch.int64)
             cached = self._buffers = (torch.empty(size, dtype=torch.uint8, device=device),
-                                      torch.empty(self.world * size, dtype=torch.uint8,
-                                                  device=device))
-        return cached
+                                      gathered, heads)
+        return cached[0], cached[1]
 
 
 class _Plan:
@@ -159,6 +164,7 @@ class _Plan:
         simple = all(d == 0 or len(s) == 0 for d, (_, s) in zip(self.dims, self.shapes)) \
             and len(dtypes) == 1 and all(spec[0] == s[0][0] for s in specs for spec in s)
         self.mode = "cut"
+        self._view = None
         if not simple or not wanted:
             return
         self.dtype = dtype = dtypes.pop()
@@ -180,10 +186,13 @@ class _Plan:
 
     def apply(self, gathered: torch.Tensor) -> list[torch.Tensor]:
         if self.mode == "transpose":
-            start, count, n = self.block
-            rows = gathered.view(self.dtype).view(self.world, -1)
-            blocks = rows[:, start: start + count * n].view(self.world, count, n)
-            return list(_unflatten(blocks.transpose(0, 1).reshape(-1), self.likes))
+            cached = self._view
+            if cached is None or cached[0] is not gathered:  # the receive buffer is reused
+                start, count, n = self.block
+                rows = gathered.view(self.dtype).view(self.world, -1)
+                blocks = rows[:, start: start + count * n].view(self.world, count, n)
+                cached = self._view = (gathered, blocks.transpose(0, 1))
+            return list(_unflatten(cached[1].reshape(-1), self.likes))
         if self.mode == "index":
             joined = gathered.view(self.dtype).index_select(0, self.index.to(gathered.device))
             return list(_unflatten(joined, self.likes))

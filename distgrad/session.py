@@ -211,7 +211,7 @@ class Session:
             return whole, ("grad", split)
         if all(b.pending_local for b in self.bodies if b.pending == key):
             return value, None
-        whole, token = self.views.show(point.kind, point.module, value)
+        whole, token = self.views.show(point.kind, point.module, value, point.label)
         return whole, (None if token is None else ("value", token))
 
     def _reply(self):

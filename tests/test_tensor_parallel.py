@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "tp_job.py")
-CASES = ["case_read_edit", "case_collectives", "case_failure"]
+CASES = ["case_read_edit", "case_read_edit_thread", "case_collectives", "case_failure"]
 
 
 @pytest.mark.parametrize("layout, world", [("tp", 2), ("sp", 2), ("fsdp-tp", 4)])
@@ -28,3 +28,14 @@ def test_tensor_parallel_job(layout, world, tmp_path):
         result = json.loads(path.read_text()) if path.exists() else {}
         for case in CASES:
             assert result.get(case) == "ok", f"{layout} rank {rank} {case}:\n{result.get(case, proc.stdout[-3000:])}"
+
+
+@pytest.mark.slow
+def test_killed_rank_is_reported(tmp_path):
+    """Rank 1 of a tensor-parallel pair is SIGKILLed inside the body; rank 0 raises
+    RankFailedError and exits normally."""
+    procs = run_ranks([JOB, "--layout", "tp", "--cases", "killed", "--out", str(tmp_path)], 2)
+    assert procs[1].returncode == -9  # the rank really died
+    assert procs[0].returncode == 0, procs[0].stdout[-3000:]
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result.get("case_killed") == "ok", result

@@ -141,7 +141,7 @@ class TensorParallelViews:
         self.sources.clear()
 
     # -- hook values ---------------------------------------------------------------------
-    def show(self, kind: str, module, value):
+    def show(self, kind: str, module, value, label: str = "the value"):
         """``(whole value, token)``; token None when nothing was sharded."""
         DTensor = _dtensor()
         plain = self.parallel.get(module, (None, None))[1] if kind == "output" else None
@@ -163,12 +163,12 @@ class TensorParallelViews:
             self.sources[id(whole)] = (whole, leaf, split)
         if not converted:
             return value, None
-        return pytree.tree_unflatten(shown, spec), (spec, leaves, converted)
+        return pytree.tree_unflatten(shown, spec), (spec, leaves, converted, label)
 
     def place(self, token, reply):
         """The reply the hook returns: the body's whole values cut back to shards (None: the
         body changed nothing)."""
-        spec, leaves, converted = token
+        spec, leaves, converted, label = token
         if reply is None:  # edited in place, if at all
             if all(whole._version == version for _, whole, version, _ in converted):
                 return None
@@ -178,8 +178,11 @@ class TensorParallelViews:
         else:
             new_leaves, reply_spec = pytree.tree_flatten(reply)
             if reply_spec != spec:
-                raise ValueError("a replacement for a tensor-parallel value must keep the "
-                                 f"structure of the value it replaces ({spec}), got {reply_spec}.")
+                raise ValueError(
+                    f"{label} = ...: under tensor parallelism a replacement must have the "
+                    f"structure of the value it replaces, so that distgrad can cut it back to "
+                    f"shards; it was {spec}, the replacement is {reply_spec}. Replace the tensors "
+                    f"inside it instead (e.g. out = list(value); out[0] = ...; assign tuple(out)).")
         out = list(new_leaves)
         for i, _, _, split in converted:
             new = new_leaves[i]

@@ -151,6 +151,36 @@ def case_read_edit(model, net, ctx):
     net.zero_grad(set_to_none=True)
 
 
+def case_read_edit_thread(model, net, ctx):
+    """The same with the backward in a worker thread (what CUDA forces): the gathers of the
+    gradients run on the body's thread while autograd's thread waits in the hook."""
+    distgrad.config.backward_mode = "thread"
+    try:
+        case_read_edit(model, net, ctx)
+    finally:
+        distgrad.config.backward_mode = "auto"
+
+
+def case_killed(model, net, ctx):
+    """Rank 1 dies (SIGKILL) between the forward reads and the backward: the others report a
+    lost rank within the failure timeout and exit normally."""
+    import signal
+    kwargs = {"position_ids": torch.arange(SEQ)[None]} if ctx[4] else {}
+    try:
+        with model.trace(global_ids(2), **kwargs):
+            q = model.model.layers[0].self_attn.q_proj.output
+            loss = model.output.logits.sum()
+            if ctx[0] == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            with loss.backward():
+                q.grad
+    except distgrad.RankFailedError as exc:
+        if "stopped answering" not in str(exc):
+            raise AssertionError(f"unexpected report: {exc}")
+        return
+    raise AssertionError("this rank did not notice the killed rank")
+
+
 def case_collectives(model, net, ctx):
     """One collective per value the body visits, none for `.local` or replicated values: the
     counts of a trace that reads nothing and of one that reads differ by exactly the visits."""
@@ -210,6 +240,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", required=True, choices=["tp", "sp", "fsdp-tp"])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default="all", choices=["all", "killed"])
     args = parser.parse_args()
     distgrad.config.failure_timeout = 3.0
     from torch.distributed.device_mesh import init_device_mesh
@@ -231,7 +262,9 @@ def main():
     model = distgrad.wrap(net, tp_shards={"model.layers.0": 1} if sequence else None)
     ctx = (rank, dp, dp_rank, tp_rank, sequence)
     results = {}
-    for case in (case_read_edit, case_collectives, case_failure):
+    cases = ((case_read_edit, case_read_edit_thread, case_collectives, case_failure)
+             if args.cases == "all" else (case_killed,))
+    for case in cases:
         try:
             case(model, net, ctx)
             results[case.__name__] = "ok"

@@ -77,6 +77,7 @@ class Trace:
             raise TraceStateError("a trace is already open in this body; traces do not nest. "
                                   "Close the first `with model.trace(...)` block before opening another.")
         BODIES[self._glet] = self.body
+        self.engine.begin_trace()
         return self
 
     def __exit__(self, exc_type, exc, tb):

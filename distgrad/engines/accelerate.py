@@ -39,6 +39,7 @@ class AccelerateEngine(Engine):
     root = property(lambda self: self.inner.root)
     rank = property(lambda self: self.inner.rank)
     world_size = property(lambda self: self.inner.world_size)
+    views = property(lambda self: self.inner.views)
 
     def forward(self, args, kwargs):
         return self.inner.forward(args, kwargs)
@@ -51,6 +52,9 @@ class AccelerateEngine(Engine):
 
     def owns(self, module):
         return self.inner.owns(module)
+
+    def begin_trace(self):
+        self.inner.begin_trace()
 
     def end_trace(self, saves, error):
         return self.inner.end_trace(saves, error)

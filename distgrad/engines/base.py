@@ -59,6 +59,10 @@ class Engine:
         reduced gradient (a collective on sharded engines) and can be assigned."""
         return param
 
+    def begin_trace(self) -> None:
+        """Called on every rank when a trace opens (multi-process engines start watching for
+        a peer's failure)."""
+
     def end_trace(self, saves: list, error: BaseException | None):
         """Called on every rank when a trace ends, after its forward and backward finished.
 

@@ -78,8 +78,17 @@ class DistributedEngine(Engine):
     def world_size(self) -> int:
         return self._world
 
-    # -- the end of every trace -----------------------------------------------------------
+    # -- the start and end of every trace -------------------------------------------------
+    def begin_trace(self) -> None:
+        self._watch.active.set()
+
     def end_trace(self, saves: list, error: BaseException | None):
+        try:
+            return self._end_trace(saves, error)
+        finally:
+            self._watch.active.clear()
+
+    def _end_trace(self, saves: list, error: BaseException | None):
         self._traces += 1
         if self.views is not None:
             self.views.clear()
@@ -143,13 +152,15 @@ class DistributedEngine(Engine):
 
 
 class _Watch:
-    """Reads the current trace's failure key every 0.1 s, so that a peer knows the message
-    before the store's host is gone. One daemon thread per engine; it ends with the engine."""
+    """While a trace runs, reads its failure key every 0.1 s, so that a peer knows the message
+    before the store's host is gone; between traces it sleeps and touches nothing. One daemon
+    thread per engine; it ends with the engine."""
 
     def __init__(self, engine: DistributedEngine):
         self.store, self.rank = engine._store, engine._job_rank
         self.seen: dict = {}
         self.stopped = threading.Event()
+        self.active = threading.Event()  # set from the start of a trace to the end of end_trace
         ref = weakref.ref(engine)
         self.thread = threading.Thread(target=self._loop, args=(ref,), daemon=True,
                                        name=f"distgrad-failure-watch-{self.rank}")
@@ -161,6 +172,7 @@ class _Watch:
 
     def stop(self) -> None:
         self.stopped.set()
+        self.active.set()  # wake the loop so that it sees `stopped`
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=5)
 
@@ -176,7 +188,10 @@ class _Watch:
         return self.seen[key]
 
     def _loop(self, ref) -> None:
-        while not self.stopped.wait(0.1):
+        while True:
+            self.active.wait()
+            if self.stopped.wait(0.1):
+                return
             engine = ref()
             if engine is None or not dist.is_initialized():
                 return

@@ -160,6 +160,19 @@ def case_uneven(model, wrapped, rank, world):
     clear_grads(wrapped)
 
 
+def case_watch_only_in_traces(model, wrapped, rank, world):
+    """The failure watcher reads the store only while a trace runs."""
+    engine = model._engine
+    engine = getattr(engine, "inner", engine)  # accelerate composes another engine
+    ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
+    with model.trace(ids):
+        during = engine._watch.active.is_set()
+        model.output.logits.save()
+    if not during or engine._watch.active.is_set():
+        raise AssertionError(f"watcher active during a trace: {during}, after it: "
+                             f"{engine._watch.active.is_set()}")
+
+
 def case_param_write(model, wrapped, rank, world):
     sizes = [2] * world
     ids = global_ids(sum(sizes))
@@ -230,7 +243,7 @@ def case_killed(model, wrapped, rank, world):
     raise AssertionError("rank 0 did not notice the killed rank")
 
 
-CASES = {"all": [case_read_edit, case_saves, case_uneven, case_param_write,
+CASES = {"all": [case_read_edit, case_saves, case_uneven, case_watch_only_in_traces, case_param_write,
                  case_rank_dependent_save, case_failure],
          "killed": [case_killed]}
 

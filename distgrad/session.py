@@ -77,6 +77,7 @@ class Stop:
             self.version = view._version
         self.view = view
         self.replacement = _UNSET
+        self.local = False  # asked for through `.local` (this rank's shard as it is)
 
     def value(self):
         return self.view if self.replacement is _UNSET else self.replacement
@@ -174,6 +175,7 @@ class Session:
                 if body.pending == key:
                     body.stop = Stop(key, value, body.pending_rows, self.kind_of(key), self.size,
                                      self.slices, body.pending_tensor)
+                    body.stop.local = body.pending_local
                     self.served.append(body)
             return
         self.finished = True

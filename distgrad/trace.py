@@ -154,6 +154,8 @@ class Trace:
     def stop_at(self, body: Body, envoy: Envoy, kind: str):
         module, call = envoy._module, envoy._call
         path = envoy._path if call is None else envoy._path.rsplit(".call(", 1)[0]
+        if envoy._local and path.endswith(".local"):
+            path = path[: -len(".local")]
         session = self.forward if body.rows is not None else self.forward_session()
         if body.block is not None or (session is not None and session.finished):
             raise OutOfOrderError(
@@ -173,6 +175,10 @@ class Trace:
         if call is None:
             stop = body.stop
             if stop is not None and stop.key[0] is point:
+                if stop.local != envoy._local:
+                    raise TraceStateError(
+                        f"{path}.{kind} and {path}.local.{kind} name one value in two forms "
+                        f"(whole and this rank's shard); read one of them per call.")
                 return stop  # the body is at this very call: read/write it again
             call = point.calls
         elif call < point.calls and not (body.stop is not None and body.stop.key == (point, call)):

@@ -51,7 +51,10 @@ class ShardedParam:
         return getattr(self.param, name)
 
     def __setattr__(self, name, value):
-        setattr(self.param, name, value)
+        if name == "grad":  # a custom __setattr__ bypasses the property: route it by hand
+            ShardedParam.grad.fset(self, value)
+        else:
+            setattr(self.param, name, value)
 
     def __repr__(self):
         return f"ShardedParam({self.path}, shape={list(self.param.shape)})"

@@ -21,7 +21,7 @@ The shown value is a differentiable function of the shard (``DTensor.full_tensor
 edited value flows on as a slice of it, so autograd sees the same edit as on one process; the
 backward of that slice is local (no collective).
 
-``.local`` opts out per request: ``model.layers[0].mlp.up_proj.local.output`` is this rank's
+``.local`` opts out per request: ``model.model.layers[0].mlp.up_proj.local.output`` is this rank's
 shard as the module returned it, with no communication.
 
 Parameter gradients: tensor-parallel weights are DTensors; ``.grad`` through distgrad is the full

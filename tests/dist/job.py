@@ -183,6 +183,12 @@ def case_param_write(model, wrapped, rank, world):
     weight.grad = weight.grad * 0.5
     ref = oracle(ids)["params"]["transformer.h.1.mlp.c_fc.weight"] / world
     close(weight.grad, ref * 0.5, "gradient after assignment through distgrad")
+    real = getattr(weight, "param", weight)
+    from torch.distributed.tensor import DTensor
+    if isinstance(real, DTensor):  # the stored gradient must stay a shard an optimizer can use
+        if not isinstance(real.grad, DTensor) or real.grad.placements != real.placements:
+            raise AssertionError(f"assigned gradient stored as {type(real.grad).__name__}")
+        torch.optim.SGD([real], lr=0.0).step()
     clear_grads(wrapped)
 
 

@@ -148,6 +148,15 @@ def case_read_edit(model, net, ctx):
         for part in name.split("."):
             got = got[int(part)] if part.isdigit() else getattr(got, part)
         close(full(got.grad), want, f"gradient of {name}")
+    # a parameter gradient assigned whole is stored as this rank's shard, ready for a step
+    weight = model.model.layers[0].mlp.up_proj.weight
+    weight.grad = weight.grad * 0.5
+    close(weight.grad, ref["params"]["model.layers.0.mlp.up_proj.weight"] * 0.5,
+          "parameter gradient after assignment")
+    real = weight.param
+    if type(real.grad) is not type(real) or real.grad.placements != real.placements:
+        raise AssertionError(f"assigned gradient stored as {type(real.grad).__name__}")
+    torch.optim.SGD([real], lr=0.0).step()
     net.zero_grad(set_to_none=True)
 
 
@@ -213,6 +222,22 @@ def case_collectives(model, net, ctx):
                              f"(a trace without reads made {base})")
 
 
+def case_two_forms(model, net, ctx):
+    """`.local.output` then `.output` of one call: this rank's shard and the whole value are two
+    forms of one value, so the second raises. Runs last, on the plain tp layout only: the group
+    is gone after case_failure, and there nothing before layer 0's q_proj communicates."""
+    kwargs = {"position_ids": torch.arange(SEQ)[None]} if ctx[4] else {}
+    try:
+        with model.trace(global_ids(2), **kwargs):
+            model.model.layers[0].self_attn.q_proj.local.output
+            model.model.layers[0].self_attn.q_proj.output
+    except distgrad.TraceStateError as exc:
+        if "two forms" not in str(exc):
+            raise
+        return
+    raise AssertionError(".output then .local.output of one call did not raise")
+
+
 def case_failure(model, net, ctx):
     rank = ctx[0]
     start = time.monotonic()
@@ -262,8 +287,11 @@ def main():
     model = distgrad.wrap(net, tp_shards={"model.layers.0": 1} if sequence else None)
     ctx = (rank, dp, dp_rank, tp_rank, sequence)
     results = {}
+    # the last two end with an error on a rank, which tears the process group down
     cases = ((case_read_edit, case_read_edit_thread, case_collectives, case_failure)
              if args.cases == "all" else (case_killed,))
+    if args.layout == "tp" and args.cases == "all":  # elsewhere the forward communicates first
+        cases += (case_two_forms,)
     for case in cases:
         try:
             case(model, net, ctx)

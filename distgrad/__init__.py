@@ -19,7 +19,8 @@ from .trace import Model, Trace
 __version__ = "0.1.0"
 
 
-def wrap(module, tokenizer=None, accelerator=None, tp_shards: dict | None = None) -> Model:
+def wrap(module, tokenizer=None, accelerator=None, tp_shards: dict | None = None,
+         full_model=None) -> Model:
     """Wrap a module, or an engine's wrapper of one, for tracing.
 
     Args:
@@ -32,11 +33,13 @@ def wrap(module, tokenizer=None, accelerator=None, tp_shards: dict | None = None
             parallelized themselves but return a local shard (sequence parallelism's decoder
             layers), ``{name as in named_modules(): sharded dim}``, so that the body sees their
             values whole. See docs/engines/tensor_parallel.md.
+        full_model: with a pipeline schedule as ``module``: the whole model (it may live on the
+            meta device), whose paths the body uses on every stage.
     Returns:
         a :class:`Model` whose attributes mirror the user's module tree.
     """
-    return Model(engines.select(module, accelerator=accelerator, tp_shards=tp_shards),
-                 tokenizer=tokenizer)
+    return Model(engines.select(module, accelerator=accelerator, tp_shards=tp_shards,
+                                full_model=full_model), tokenizer=tokenizer)
 
 
 BackwardTracer.install()

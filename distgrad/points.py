@@ -30,18 +30,24 @@ class ModulePoint:
     def label(self) -> str:
         return f"{self.path}.{self.kind}"
 
+    def _call(self):
+        # A pipeline run names calls by microbatch (-1: a call outside the schedule's chunks,
+        # such as its shape inference, which no body asks for)
+        mb = self.session.microbatch
+        if mb is None:
+            call = self.calls
+            self.calls += 1
+            return call
+        return mb if mb >= 0 else None
+
     def _on_output(self, module, args, output):
-        call = self.calls
-        self.calls += 1
-        key = (self, call)
+        key = (self, self._call())
         if key in self.session.wanted:
             return self.session.fire(key, output)
         return _NO_REPLY
 
     def _on_input(self, module, args, kwargs):
-        call = self.calls
-        self.calls += 1
-        key = (self, call)
+        key = (self, self._call())
         if key in self.session.wanted:
             return self.session.fire(key, (args, kwargs))
         return _NO_REPLY

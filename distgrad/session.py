@@ -116,6 +116,8 @@ class Session:
         self.paused_value = None
         self.views = views          # the engine's TensorParallelViews, or None: values as they are
         self.paused_token = None    # what views.show returned for the paused value
+        self.paused_key = None      # the key the run is paused at
+        self.microbatch = None      # under a pipeline schedule: the microbatch now running
         self.finished = False
 
     # -- points ---------------------------------------------------------------------------
@@ -168,6 +170,7 @@ class Session:
         event = self.run.resume(reply)
         if event[0] == "point":
             _, key, value = event
+            self.paused_key = key
             if self.views is not None:
                 value, self.paused_token = self._show(key, value)
             self.paused_value = value
@@ -179,6 +182,7 @@ class Session:
                     self.served.append(body)
             return
         self.finished = True
+        self.paused_key = None
         if event[0] == "error":
             raise event[1]
 

@@ -6,10 +6,12 @@ is one plain forward, and every value the body sees is the real tensor of the ru
 """
 from __future__ import annotations
 
+import sys
+
 import greenlet
 import torch
 
-from . import batching, engines
+from . import batching, capture, engines
 from .envoy import Envoy
 from .errors import OutOfOrderError, TraceStateError
 from .session import BODIES, Body, Session
@@ -68,6 +70,8 @@ class Trace:
         self.forward: Session | None = None
         self.backward: Session | None = None  # the batch's backward, in a trace with invokes
         self.slices: dict = {}
+        self.captured = None   # (code, names, frame): a body the engine runs per microbatch
+        self.pipeline = None   # the engine's per-microbatch run while it runs
 
     # -- the with-block -------------------------------------------------------------------
     def __enter__(self) -> "Trace":
@@ -78,13 +82,23 @@ class Trace:
                                   "Close the first `with model.trace(...)` block before opening another.")
         BODIES[self._glet] = self.body
         self.engine.begin_trace()
+        if getattr(self.engine, "captures_body", False):
+            frame = sys._getframe(1)
+            code, names, first_line = capture.capture(frame)
+            self.captured = (code, names, frame)
+            capture.skip(frame, first_line)
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        skipped = self.captured is not None and exc_type is capture.SkipBody
+        if skipped or (self.captured is not None and exc is None):
+            exc = None  # the body was lifted out to run per microbatch
         error = exc
         try:
             if exc is None:
-                if self.invokes:
+                if self.captured is not None:
+                    self.engine.run_captured(self, *self.captured)
+                elif self.invokes:
                     from .invoke import run_invokes
                     run_invokes(self)
                 else:
@@ -101,7 +115,7 @@ class Trace:
             instead = self.engine.end_trace(self.body.saves, error)
             if instead is not None:
                 raise instead from error
-        return False
+        return skipped
 
     def invoke(self, *args, **kwargs):
         """One input of a batched trace; see docs/concepts.rst ("Invokes")."""
@@ -124,15 +138,31 @@ class Trace:
         return self.forward
 
     # -- invokes (invoke.py runs them) -------------------------------------------------------
+    @property
+    def loss(self):
+        """Under a pipeline schedule: this microbatch's loss, as the schedule's ``loss_fn``
+        computed it on the last stage; open the backward block on it."""
+        from .session import current_body
+        if self.pipeline is None:
+            raise TraceStateError("tracer.loss exists only in a pipeline trace; elsewhere compute "
+                                  "the loss in the body (loss = model.output.logits.sum()).")
+        return self.pipeline.loss(current_body())
+
     def invoke_backward(self, body, block):
+        if self.pipeline is not None:
+            return self.pipeline.backward_block(body, block)
         from .invoke import invoke_backward
         invoke_backward(self, body, block)
 
     def invoke_backward_done(self, body, block):
+        if self.pipeline is not None:
+            return None
         from .invoke import invoke_backward_done
         invoke_backward_done(self, body, block)
 
     def invoke_grad(self, body, tensor):
+        if self.pipeline is not None:
+            return self.pipeline.grad(body, tensor)
         from .invoke import invoke_grad
         return invoke_grad(self, body, tensor)
 
@@ -152,6 +182,8 @@ class Trace:
             self.forward.finish()
 
     def stop_at(self, body: Body, envoy: Envoy, kind: str):
+        if self.pipeline is not None:
+            return self.pipeline.module_value(body, envoy, kind)
         module, call = envoy._module, envoy._call
         path = envoy._path if call is None else envoy._path.rsplit(".call(", 1)[0]
         if envoy._local and path.endswith(".local"):

@@ -7,12 +7,15 @@ from .base import Engine
 from .local import LocalEngine
 
 
-def select(obj, accelerator=None, tp_shards: dict | None = None) -> Engine:
+def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None) -> Engine:
     """The engine for what the user wrapped: DDP, FSDP1, FSDP2 (``fully_shard``), a model
     prepared by accelerate (with its ``accelerator``), a model split by ``parallelize_module``
     (alone or under ``fully_shard``), or a plain module."""
     if isinstance(obj, Engine):
         return obj
+    if _is_pipeline_schedule(obj):
+        from .pipeline import PipelineEngine
+        return PipelineEngine(obj, full_model)
     if isinstance(obj, torch.nn.Module) and accelerator is None:
         from . import tensor_parallel
         parallel = tensor_parallel.find_parallel_modules(obj)
@@ -41,6 +44,14 @@ def select(obj, accelerator=None, tp_shards: dict | None = None) -> Engine:
     if isinstance(obj, torch.nn.Module):
         return LocalEngine(obj)
     raise TypeError(f"distgrad.wrap() needs a torch.nn.Module, got {type(obj).__name__}.")
+
+
+def _is_pipeline_schedule(obj) -> bool:
+    try:
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+    except ImportError:
+        return False
+    return isinstance(obj, _PipelineSchedule)
 
 
 def _is_fully_sharded(obj) -> bool:

@@ -108,6 +108,10 @@ class DistributedEngine(Engine):
     def _key(self) -> str:
         return f"distgrad/failure/{self._traces}"
 
+    def _key_now(self) -> str:
+        """The failure key of the trace now running (``_traces`` counts finished ones)."""
+        return f"distgrad/failure/{self._traces + 1}"
+
     def _fail(self, error: BaseException):
         if isinstance(error, RankFailedError):
             return None

@@ -1,0 +1,415 @@
+"""Pipeline parallel: a ``torch.distributed.pipelining`` schedule over one stage per rank.
+
+    stage = PipelineStage(my_blocks, rank, world, device)
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
+    model = distgrad.wrap(schedule, full_model=net)      # net: the whole model, for its paths
+    with model.trace(x, target=y) as tr:
+        h = model.layers[1].output.save()                # whichever stage runs layers[1]
+        with tr.loss.backward():                         # the schedule's backward of this microbatch
+            g = h.grad.save()
+            h.grad = h.grad * 2
+
+The trace runs ``schedule.step`` (inputs on the first stage, target and losses on the last), and
+the body runs once per microbatch on every rank, like an invoke: its source is captured
+(``capture.py``) and each microbatch's copy runs as a coroutine of the step. Saved names are the
+microbatches' values concatenated on dim 0, on every rank.
+
+A value of a module another stage runs is the real value, sent by its owner: every rank runs the
+same body, so the owner serves the same request and sends what it got (``isend`` on a group of
+distgrad's own) to every other rank. The receiver takes it only at a moment when the owner has
+certainly sent it, which makes waiting safe in every schedule:
+
+* a forward value of an earlier stage: at the start of this rank's forward of the microbatch
+  (it needed the earlier stage's output, so the earlier stage's hooks had fired);
+* a forward value or gradient of a later stage: at the start of this rank's backward of the
+  microbatch (it needed the later stage's gradient);
+* a gradient of an earlier stage: when this rank's step has finished.
+
+An assignment to another stage's value is applied by its owner (which runs the same line); other
+ranks keep it in their copy only. Requests go in pipeline order - forward values by increasing
+stage, gradients by decreasing stage - and a request against that order raises
+``OutOfOrderError`` on every rank. A receive waits at most ``config.failure_timeout`` seconds
+between checks of the job's failure key, so a failure on the owner reaches the receiver.
+
+Gradients: torch's schedules backpropagate each microbatch's loss unscaled and divide the
+parameter gradients by the number of microbatches afterwards (``scale_grads``), so the body sees
+the gradient of its own microbatch's loss, as a data-parallel rank sees its own rows.
+"""
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import greenlet
+import torch
+import torch.distributed as dist
+
+from .. import capture
+from ..errors import OutOfOrderError, TraceStateError
+from ..session import BODIES, Body, Session, Stop
+from .collective import _CODE, _DTYPES
+from .distributed import DistributedEngine
+
+_HEAD = 12  # int64s: dtype code, requires_grad, ndim, shape (at most 9 dims)
+
+
+class Event:
+    """A point in the schedule (start of a chunk, end of the step) where remote values land."""
+    kind = "event"
+
+    def remove(self):
+        pass
+
+
+class PipelineEngine(DistributedEngine):
+    name = "pipeline"
+    captures_body = True  # the trace body runs once per microbatch
+
+    def __init__(self, schedule, full_model: torch.nn.Module):
+        stage = getattr(schedule, "_stage", None)
+        if stage is None:
+            raise NotImplementedError(
+                f"distgrad.wrap({type(schedule).__name__}): only schedules with one stage per "
+                "rank (ScheduleGPipe, Schedule1F1B) are supported so far.")
+        if full_model is None:
+            raise TypeError("distgrad.wrap(schedule, full_model=net): pass the whole model "
+                            "(it may be on the meta device) so that the body can use its paths.")
+        super().__init__(full_model, group=dist.group.WORLD, gather=False)
+        self.schedule, self.stage, self.full = schedule, stage, full_model
+        mine = {id(m) for m in stage.submod.modules()}
+        names = [n for n, m in full_model.named_modules() if id(m) in mine]
+        table = [None] * dist.get_world_size()
+        dist.all_gather_object(table, (stage.stage_index, names))
+        self.stage_of_name = {n: s for s, ns in table for n in ns}
+        self.rank_of_stage = {s: r for r, (s, _) in enumerate(table)}
+        self.names = {id(m): n for n, m in full_model.named_modules()}
+        self.my_stage = stage.stage_index
+        self.last_stage = stage.num_stages - 1
+        self.channel = dist.new_group(backend="gloo")  # distgrad's own sends and receives
+
+    @property
+    def root(self):
+        return self.full
+
+    def stage_of(self, module) -> int | None:
+        return self.stage_of_name.get(self.names.get(id(module)))
+
+    def owns(self, module) -> bool:
+        return self.stage_of(module) == self.my_stage
+
+    def run_captured(self, trace, code, names, frame) -> None:
+        _PipelineRun(self, trace).run(code, names, frame)
+
+
+class _PipelineRun:
+    """One trace: the step as a run, one body per microbatch, remote values delivered."""
+
+    def __init__(self, engine: PipelineEngine, trace):
+        self.engine, self.trace = engine, trace
+        self.waiting: dict = {}   # event key -> [(body, src rank, tag)]
+        self.fired: set = set()   # event keys passed
+        self.sends: list = []
+        self.remote: dict = {}    # id(tensor) -> (tensor, stage) for values sent by another rank
+        self.session = None
+
+    # -- the trace --------------------------------------------------------------------------
+    def run(self, code, names, frame) -> None:
+        engine, trace = self.engine, self.trace
+        args, kwargs = trace.raw_inputs
+        n = engine.schedule._n_microbatches
+        scheduler = greenlet.getcurrent()
+        bodies = [Body(trace, index=m, scheduler=scheduler) for m in range(n)]
+        for body in bodies:
+            body.seq, body.last_stage = 0, -1
+        self.session = session = Session("forward", lambda: self._step(args, kwargs), bodies)
+        trace.pipeline = self
+        spaces = [{**frame.f_globals, **frame.f_locals} for _ in bodies]
+        glets = []
+        for body, space in zip(bodies, spaces):
+            glet = greenlet.greenlet(lambda space=space: exec(code, space))
+            BODIES[glet] = body
+            glets.append(glet)
+        restore = self._instrument()
+        try:
+            self._schedule(bodies, glets)
+            session.finish()  # the bodies are done; the step runs on with their last replies
+            for work in self.sends:
+                work.wait()
+        finally:
+            restore()
+            for glet in glets:
+                BODIES.pop(glet, None)
+                if glet and not glet.dead:
+                    glet.throw(greenlet.GreenletExit)
+            if not session.finished:
+                session.abort()
+            session.close()
+            trace.pipeline = None
+        capture.write_back(frame, _joined(names, bodies, spaces))
+
+    def _step(self, args, kwargs):
+        stage, schedule = self.engine.stage, self.engine.schedule
+        target, losses = kwargs.pop("target", None), kwargs.pop("losses", None)
+        step_args = args if stage.is_first else ()
+        if stage.is_last:
+            return schedule.step(*step_args, target=target, losses=losses, **kwargs)
+        return schedule.step(*step_args, **kwargs)
+
+    def _instrument(self):
+        """Mark each chunk with its microbatch and phase, and catch each microbatch's loss."""
+        stage, schedule, session = self.engine.stage, self.engine.schedule, self.session
+        fwd, bwd, loss = stage.forward_one_chunk, stage.backward_one_chunk, schedule._maybe_compute_loss
+        self.loss_point = Event()
+        self.loss_point.kind = "output"
+
+        def chunk(phase, real):
+            def run(chunk_id, *args, **kwargs):
+                self._event((phase, chunk_id))
+                session.microbatch = chunk_id if phase == "F" else -1
+                try:
+                    return real(chunk_id, *args, **kwargs)
+                finally:
+                    session.microbatch = -1
+            return run
+
+        def compute_loss(st, output, target_mbs, mb_index, *args, **kwargs):
+            loss(st, output, target_mbs, mb_index, *args, **kwargs)
+            if st.is_last and (self.loss_point, mb_index) in session.wanted:
+                session.fire((self.loss_point, mb_index), schedule._internal_losses[-1])
+
+        session.microbatch = -1
+        stage.forward_one_chunk = chunk("F", fwd)
+        stage.backward_one_chunk = chunk("B", bwd)
+        schedule._maybe_compute_loss = compute_loss
+
+        def restore():
+            for obj, name in ((stage, "forward_one_chunk"), (stage, "backward_one_chunk"),
+                              (schedule, "_maybe_compute_loss")):
+                obj.__dict__.pop(name, None)
+        return restore
+
+    def _event(self, key) -> None:
+        self.fired.add(key)
+        if key in self.waiting:
+            self.session.fire(key, None)
+
+    # -- the scheduler ----------------------------------------------------------------------
+    def _schedule(self, bodies, glets) -> None:
+        live = dict(zip(map(id, bodies), glets))
+        session = self.session
+
+        def wake(body):
+            glet = live[id(body)]
+            glet.switch()
+            if glet.dead:
+                live.pop(id(body))
+
+        for body in bodies:
+            wake(body)
+        while live:
+            for key, waiters in list(self.waiting.items()):
+                if key in self.fired or (key == "end" and session.finished):
+                    self._deliver(key, wake)
+                    break
+            else:
+                if session.finished:
+                    for body in [b for b in bodies if id(b) in live]:
+                        body.remote_value = None  # what it waits for never comes: it raises
+                        wake(body)
+                    continue
+                for key in self.waiting:
+                    session.wanted[key] = 1
+                session.advance()
+                key = session.paused_key
+                if key is not None and key in self.waiting:
+                    continue  # delivered at the top of the loop
+                for body in [b for b in bodies if id(b) in live]:
+                    if _remote(body.pending):
+                        continue  # woken only when its value is delivered
+                    if body.stop is not None and body.pending is not None or \
+                            (session.finished and body.pending is not None):
+                        wake(body)
+
+    def _deliver(self, key, wake) -> None:
+        self.session.wanted.pop(key, None)
+        for body, src, tag in self.waiting.pop(key):
+            body.remote_value = self._receive(src, tag)
+            wake(body)
+
+    # -- what the body asks for ---------------------------------------------------------------
+    def module_value(self, body, envoy, kind: str):
+        engine, session = self.engine, self.session
+        module, path = envoy._module, envoy._path
+        stage = engine.stage_of(module)
+        if stage is None:
+            raise TraceStateError(f"{path}.{kind}: no pipeline stage runs {path} itself (a "
+                                  f"container, or the whole model); name one of its layers.")
+        if body.block is not None:
+            raise OutOfOrderError(f"{path}.{kind} was requested inside the backward block; "
+                                  f"read forward values before `with tr.loss.backward():`.")
+        self._in_order(body, stage, forward=True, what=f"{path}.{kind}")
+        body.seq += 1
+        tag = body.index * 100_000 + body.seq
+        if stage != engine.my_stage:
+            src = engine.rank_of_stage[stage]
+            event = ("F", body.index) if stage < engine.my_stage else ("B", body.index)
+            value = self._wait_remote(body, event, src, tag)
+            self.remote[id(value)] = (value, stage)
+            return Stop(("remote", tag), value, None, kind, 0, None)
+        point = session.points.get((id(module), kind))
+        if point is None:
+            point = session.module_point(module, path, kind)
+            for outer in envoy._ancestors():
+                if engine.owns(outer._module):
+                    session.module_point(outer._module, outer._path, "output")
+        stop = session.request(body, (point, body.index), lambda: _passed(path, kind))
+        self._send(stop.view, tag)
+        return stop
+
+    def loss(self, body):
+        engine = self.engine
+        body.seq += 1
+        tag = body.index * 100_000 + body.seq
+        if engine.my_stage != engine.last_stage:
+            value = self._wait_remote(body, ("B", body.index), engine.rank_of_stage[engine.last_stage], tag)
+        else:
+            stop = self.session.request(body, (self.loss_point, body.index),
+                                        lambda: "the microbatch's loss was requested too late")
+            value = stop.view
+            self._send(value, tag)
+        body.loss = value
+        return value
+
+    def backward_block(self, body, block) -> None:
+        if block.tensor is not getattr(body, "loss", None):
+            raise TraceStateError("in a pipeline trace the schedule runs the backward of its own "
+                                  "loss: open the block with `with tr.loss.backward():`.")
+        body.block = block
+
+    def grad(self, body, tensor):
+        engine, session = self.engine, self.session
+        label = body.label_of(tensor)
+        entry = self.remote.get(id(tensor))
+        stage = entry[1] if entry is not None and entry[0] is tensor else engine.my_stage
+        self._in_order(body, stage, forward=False, what=f"{label}.grad")
+        body.seq += 1
+        tag = body.index * 100_000 + body.seq
+        if stage != engine.my_stage:
+            event = ("B", body.index) if stage > engine.my_stage else "end"
+            value = self._wait_remote(body, event, engine.rank_of_stage[stage], tag)
+            # the body is "at" this gradient now, as its owner is: `t.grad = t.grad * 2` reads
+            # and writes this one stop on every rank alike
+            body.stop = Stop(("remote", tag), value, None, "grad", 0, None, tensor)
+            return body.stop
+        if not tensor.requires_grad:
+            raise ValueError(f"{label}.grad: no gradient flows into it, because it does not "
+                             f"require grad.")
+        point = session.grad_point(tensor)
+        stop = session.request(body, (point, point.calls), lambda: (
+            f"{label}.grad was requested after this stage's backward had passed it; request "
+            f"gradients in reverse-forward order."), tensor=tensor)
+        self._send(stop.view, tag)
+        return stop
+
+    def _in_order(self, body, stage: int, forward: bool, what: str) -> None:
+        last = body.last_stage
+        if forward and stage < last or not forward and body.block is not None and \
+                getattr(body, "grad_stage", None) is not None and stage > body.grad_stage:
+            raise OutOfOrderError(
+                f"{what} was requested after a value of stage {last if forward else body.grad_stage}; "
+                f"in a pipeline, forward values come stage by stage (0 first) and gradients in "
+                f"reverse (last stage first).")
+        if forward:
+            body.last_stage = stage
+        else:
+            body.grad_stage = stage
+
+    # -- moving values ------------------------------------------------------------------------
+    def _send(self, value, tag: int) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"distgrad sends only tensors between pipeline stages; this value is "
+                            f"a {type(value).__name__}. Read a tensor inside it on its stage.")
+        data = value.detach().contiguous()
+        head = torch.zeros(_HEAD, dtype=torch.int64)
+        head[:3] = torch.tensor([_CODE[data.dtype], int(value.requires_grad), data.dim()])
+        head[3: 3 + data.dim()] = torch.tensor(data.shape, dtype=torch.int64)
+        me = dist.get_rank()
+        for dst in range(dist.get_world_size()):
+            if dst != me:
+                self.sends.append(dist.isend(head, dst, group=self.engine.channel, tag=2 * tag))
+                self.sends.append(dist.isend(data, dst, group=self.engine.channel, tag=2 * tag + 1))
+        self.sends.append(_Keep(head, data))
+
+    def _receive(self, src: int, tag: int) -> torch.Tensor:
+        head = torch.empty(_HEAD, dtype=torch.int64)
+        self._wait(dist.irecv(head, src, group=self.engine.channel, tag=2 * tag))
+        code, grad, ndim = head[:3].tolist()
+        data = torch.empty(head[3: 3 + ndim].tolist(), dtype=_DTYPES[code])
+        self._wait(dist.irecv(data, src, group=self.engine.channel, tag=2 * tag + 1))
+        # a copy in a graph of its own: editable in place, and `with x.backward():` accepts it
+        return data.requires_grad_(True).clone() if grad else data
+
+    def _wait(self, work) -> None:
+        from ..backward import config
+        while True:
+            try:
+                if work.wait(timedelta(seconds=config.failure_timeout)):
+                    return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                    raise
+            found = self.engine._watch.read(self.engine._key_now())
+            if found is not None:
+                raise RuntimeError(f"Connection closed: {found[1]}")
+
+    def _wait_remote(self, body, event, src: int, tag: int):
+        if event in self.fired:
+            return self._receive(src, tag)
+        self.waiting.setdefault(event, []).append((body, src, tag))
+        body.pending = ("remote", tag)
+        body.remote_value = None
+        try:
+            body.scheduler.switch()
+        finally:
+            body.pending = None
+        if body.remote_value is None:
+            raise TraceStateError(f"the pipeline step ended before stage {event} sent a value "
+                                  f"this body asked for.")
+        value, body.remote_value = body.remote_value, None
+        return value
+
+
+def _remote(pending) -> bool:
+    return isinstance(pending, tuple) and len(pending) == 2 and pending[0] == "remote"
+
+
+class _Keep:
+    """Holds a sent tensor alive until the sends complete."""
+
+    def __init__(self, *tensors):
+        self.tensors = tensors
+
+    def wait(self):
+        return True
+
+
+def _passed(path, kind):
+    return (f"{path}.{kind} was requested after this stage had run it for the microbatch; read "
+            f"module values in forward order.")
+
+
+def _joined(names: list[str], bodies: list[Body], spaces: list[dict]) -> dict:
+    """Each saved name: the microbatches' values concatenated on dim 0 (0-dim: stacked)."""
+    out = {}
+    for name in names:
+        values = [space.get(name, None) for space in spaces]
+        saved = [any(v is s[0] for s in body.saves) for v, body in zip(values, bodies)]
+        if not all(saved):
+            out[name] = capture.NotSaved(name)
+            continue
+        if all(isinstance(v, torch.Tensor) for v in values):
+            values = [v.detach() for v in values]
+            out[name] = torch.stack(values) if values[0].dim() == 0 else torch.cat(values)
+        else:
+            out[name] = values
+    return out

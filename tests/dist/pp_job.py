@@ -1,0 +1,203 @@
+"""One pipeline-parallel job: a 4-block MLP split over the ranks (one stage each) and run by a
+torch.distributed.pipelining schedule; every case in one process group.
+Usage: pp_job.py --schedule {gpipe,1f1b} --microbatches M --out DIR (ranks from the environment).
+
+Oracle: the same model unsplit on one process, plain hooks doing the same edits, the whole batch
+at once (fp32, atol 1e-5). torch's schedules backpropagate each microbatch's mean loss and then
+divide parameter gradients by M, so activation gradients seen in the body are M times the
+whole-batch ones and parameter gradients are equal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distgrad
+
+torch.set_num_threads(1)
+ATOL = 1e-5
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Blocks(nn.Module):
+    """One stage: some of the model's own blocks, in order."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def build():
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
+def close(a, b, what):
+    if a.shape != b.shape:
+        raise AssertionError(f"{what}: shape {list(a.shape)} != {list(b.shape)}")
+    diff = (a - b).abs().max().item()
+    if diff > ATOL:
+        raise AssertionError(f"{what}: max abs diff {diff:.3g} > {ATOL}")
+
+
+def oracle(x, y, m):
+    net = build()
+    seen = {}
+
+    def keep(i, factor=1.0):
+        def hook(mod, args, out):
+            if i == 2:
+                out = out + seen["h0"]  # the body adds stage 0's value to layer 2's output
+            seen[f"h{i}"] = out.detach().clone()
+
+            def on_grad(g):
+                seen[f"g{i}"] = g.detach().clone()
+                return g * factor
+            out.register_hook(on_grad)
+            return out
+        return hook
+
+    for i in range(4):
+        net.layers[i].register_forward_hook(keep(i, 2.0 if i == 1 else 1.0))
+    out = net(x)
+    nn.MSELoss()(out, y).backward()
+    seen["losses"] = torch.stack([nn.MSELoss()(o, t) for o, t in
+                                  zip(out.detach().chunk(m), y.chunk(m))])
+    seen["params"] = {n: p.grad.clone() for n, p in net.named_parameters()}
+    return seen
+
+
+def case_read_edit(model, net, ctx):
+    """Reads on every stage, an edit that uses another stage's value, a gradient edit that
+    flows back across stages, the per-microbatch losses; all on every rank."""
+    m = ctx["m"]
+    x, y = batch()
+    with model.trace(x, target=y) as tr:
+        h0 = model.layers[0].output.save()
+        h1 = model.layers[1].output.save()
+        model.layers[2].output = model.layers[2].output + h0   # applied by layer 2's stage
+        h3 = model.layers[3].output.save()
+        loss = tr.loss.save()
+        with tr.loss.backward():
+            g3 = h3.grad.save()
+            g1 = h1.grad.save()
+            h1.grad = h1.grad * 2                               # applied by layer 1's stage
+    ref = oracle(x, y, m)
+    close(h0, ref["h0"], "layers[0] output")
+    close(h1, ref["h1"], "layers[1] output")
+    close(h3, ref["h3"], "layers[3] output after the cross-stage edit")
+    close(loss, ref["losses"], "per-microbatch losses")
+    close(g3, ref["g3"] * m, "layers[3] gradient (each microbatch's own loss)")
+    close(g1, ref["g1"] * m, "layers[1] gradient")
+    for name, param in net.named_parameters():
+        if param.grad is not None:  # this stage's parameters
+            close(param.grad, ref["params"][name], f"gradient of {name}")
+    net.zero_grad(set_to_none=True)
+
+
+def case_out_of_order(model, net, ctx):
+    """A gradient of an earlier stage before one of a later stage raises on every rank."""
+    x, y = batch()
+    try:
+        with model.trace(x, target=y) as tr:
+            h1 = model.layers[1].output
+            h3 = model.layers[3].output
+            with tr.loss.backward():
+                h1.grad
+                h3.grad
+    except distgrad.OutOfOrderError as exc:
+        if "stage" not in str(exc):
+            raise
+    except distgrad.RankFailedError as exc:  # a peer's OutOfOrderError reached it first
+        if "OutOfOrderError" not in str(exc):
+            raise
+    else:
+        raise AssertionError("no OutOfOrderError")
+
+
+def case_failure(model, net, ctx):
+    rank = ctx["rank"]
+    x, y = batch()
+    start = time.monotonic()
+    try:
+        with model.trace(x, target=y) as tr:
+            h = model.layers[0].output
+            if rank == 1:
+                1 / 0
+            with tr.loss.backward():
+                h.grad
+    except ZeroDivisionError:
+        if rank != 1:
+            raise
+        return
+    except distgrad.RankFailedError as exc:
+        if rank == 1 or "rank 1" not in str(exc) or time.monotonic() - start > 30:
+            raise AssertionError(f"wrong failure report on rank {rank}: {exc}")
+        return
+    raise AssertionError("no error reached this rank")
+
+
+def main():
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--schedule", required=True, choices=["gpipe", "1f1b"])
+    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default="all", choices=["all", "failure"])
+    args = parser.parse_args()
+    distgrad.config.failure_timeout = 3.0
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = build()
+    per = len(net.layers) // world
+    stage = PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
+                          torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+    schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=nn.MSELoss())
+    model = distgrad.wrap(schedule, full_model=net)
+    ctx = {"rank": rank, "world": world, "m": args.microbatches}
+    results = {}
+    # each ends the job's group when it raises, so an error case runs last
+    cases = (case_read_edit, case_out_of_order) if args.cases == "all" else (case_failure,)
+    for case in cases:
+        try:
+            case(model, net, ctx)
+            results[case.__name__] = "ok"
+        except Exception:
+            results[case.__name__] = traceback.format_exc()
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Pipeline parallelism on real multi-process jobs (gloo on CPU): torch.distributed.pipelining
+schedules over one stage per rank, the body written against the whole model's paths, every
+number compared with the unsplit model on one process (tests/dist/pp_job.py; atol 1e-5)."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "dist"))
+from launch import run_ranks  # noqa: E402
+
+JOB = str(Path(__file__).parent / "dist" / "pp_job.py")
+
+
+def _job(tmp_path, schedule, microbatches, world, cases="all"):
+    procs = run_ranks([JOB, "--schedule", schedule, "--microbatches", str(microbatches),
+                       "--cases", cases, "--out", str(tmp_path)], world)
+    results = []
+    for rank, proc in enumerate(procs):
+        path = tmp_path / f"rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+    return results
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_two_stages(schedule, microbatches, tmp_path):
+    for rank, result in enumerate(_job(tmp_path, schedule, microbatches, 2)):
+        for case in ("case_read_edit", "case_out_of_order"):
+            assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
+
+
+@pytest.mark.slow
+def test_four_stages_on_four_ranks(tmp_path):
+    for rank, result in enumerate(_job(tmp_path, "1f1b", 4, 4)):
+        for case in ("case_read_edit", "case_out_of_order"):
+            assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
+
+
+def test_failure_on_one_stage_reaches_all(tmp_path):
+    for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, cases="failure")):
+        assert result.get("case_failure") == "ok", f"rank {rank}:\n{result.get('case_failure')}"

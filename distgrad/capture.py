@@ -113,17 +113,19 @@ def skip(frame, line: int | None) -> None:
 class NotSaved:
     """Stands in for a name an invoke body bound without saving it."""
 
-    __slots__ = ("_name",)
+    __slots__ = ("_name", "_where")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, where: str = "inside a `with tracer.invoke(...):` block"):
         object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_where", where)
 
     def _fail(self, *args, **kwargs):
         name = object.__getattribute__(self, "_name")
+        where = object.__getattribute__(self, "_where")
         raise NotSavedError(
-            f"name {name!r} was bound inside a `with tracer.invoke(...):` block but not saved. "
-            f"Invoke bodies run when the batch runs, and only saved values come back: write "
-            f"`{name} = (...).save()` or `distgrad.save({name})` inside the invoke.")
+            f"name {name!r} was bound {where} but not saved. Such a body runs later than it is "
+            f"written, and only saved values come back: write `{name} = (...).save()` or "
+            f"`distgrad.save({name})` in the body.")
 
 
 for _dunder in ("__getattr__", "__repr__", "__str__", "__bool__", "__len__", "__iter__",

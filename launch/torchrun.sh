@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on 2 CPU processes (gloo) under torchrun, with its check against one process.
-#   launch/torchrun.sh [ddp|fsdp1|fsdp2|accelerate|zero1|zero2|zero3|tp] [--steps N]
-# tp splits a tiny Llama over all processes (tensor parallel; distgrad/demo_tp.py).
+#   launch/torchrun.sh [ddp|fsdp1|fsdp2|accelerate|zero1|zero2|zero3|tp|pp-gpipe|pp-1f1b] [--steps N]
+# tp splits a tiny Llama over all processes (tensor parallel; distgrad/demo_tp.py); pp-* split
+# a 4-block MLP into one pipeline stage per process (distgrad/demo_pp.py; NPROC 1, 2 or 4).
 # NPROC sets the number of processes (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."

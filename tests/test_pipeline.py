@@ -13,9 +13,9 @@ from launch import run_ranks  # noqa: E402
 JOB = str(Path(__file__).parent / "dist" / "pp_job.py")
 
 
-def _job(tmp_path, schedule, microbatches, world, cases="all"):
+def _job(tmp_path, schedule, microbatches, world, cases="all", split="manual"):
     procs = run_ranks([JOB, "--schedule", schedule, "--microbatches", str(microbatches),
-                       "--cases", cases, "--out", str(tmp_path)], world)
+                       "--cases", cases, "--split", split, "--out", str(tmp_path)], world)
     results = []
     for rank, proc in enumerate(procs):
         path = tmp_path / f"rank{rank}.json"
@@ -28,6 +28,13 @@ def _job(tmp_path, schedule, microbatches, world, cases="all"):
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_two_stages(schedule, microbatches, tmp_path):
     for rank, result in enumerate(_job(tmp_path, schedule, microbatches, 2)):
+        for case in ("case_read_edit", "case_out_of_order"):
+            assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
+
+
+def test_stages_from_the_pipeline_frontend(tmp_path):
+    """Stages built by pipeline() are traced copies of the model's modules, found by path."""
+    for rank, result in enumerate(_job(tmp_path, "gpipe", 2, 2, split="frontend")):
         for case in ("case_read_edit", "case_out_of_order"):
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 

@@ -76,8 +76,16 @@ class PipelineEngine(DistributedEngine):
                             "(it may be on the meta device) so that the body can use its paths.")
         super().__init__(full_model, group=dist.group.WORLD, gather=False)
         self.schedule, self.stage, self.full = schedule, stage, full_model
+        # This stage's modules, as the whole model names them: the very objects after a manual
+        # split; copies under the same names after the pipeline() frontend (which traces the
+        # model into new modules but keeps the paths)
         mine = {id(m) for m in stage.submod.modules()}
-        names = [n for n, m in full_model.named_modules() if id(m) in mine]
+        by_name = dict(stage.submod.named_modules())
+        self.local = {id(m): m for m in full_model.modules() if id(m) in mine}
+        if not self.local:  # id(module of full_model) -> the module this stage runs
+            self.local = {id(m): by_name[n] for n, m in full_model.named_modules()
+                          if n and n in by_name}
+        names = [n for n, m in full_model.named_modules() if id(m) in self.local]
         table = [None] * dist.get_world_size()
         dist.all_gather_object(table, (stage.stage_index, names))
         self.stage_of_name = {n: s for s, ns in table for n in ns}
@@ -256,12 +264,13 @@ class _PipelineRun:
             value = self._wait_remote(body, event, src, tag)
             self.remote[id(value)] = (value, stage)
             return Stop(("remote", tag), value, None, kind, 0, None)
+        module = engine.local[id(module)]
         point = session.points.get((id(module), kind))
         if point is None:
             point = session.module_point(module, path, kind)
             for outer in envoy._ancestors():
                 if engine.owns(outer._module):
-                    session.module_point(outer._module, outer._path, "output")
+                    session.module_point(engine.local[id(outer._module)], outer._path, "output")
         stop = session.request(body, (point, body.index), lambda: _passed(path, kind))
         self._send(stop.view, tag)
         return stop
@@ -399,17 +408,29 @@ def _passed(path, kind):
 
 
 def _joined(names: list[str], bodies: list[Body], spaces: list[dict]) -> dict:
-    """Each saved name: the microbatches' values concatenated on dim 0 (0-dim: stacked)."""
+    """Each saved name: the microbatches' values concatenated on dim 0 (0-dim: stacked); a list
+    or tuple of saved values comes back joined item by item."""
+    saved = {id(entry[0]) for body in bodies for entry in body.saves}
     out = {}
     for name in names:
-        values = [space.get(name, None) for space in spaces]
-        saved = [any(v is s[0] for s in body.saves) for v, body in zip(values, bodies)]
-        if not all(saved):
-            out[name] = capture.NotSaved(name)
-            continue
-        if all(isinstance(v, torch.Tensor) for v in values):
-            values = [v.detach() for v in values]
-            out[name] = torch.stack(values) if values[0].dim() == 0 else torch.cat(values)
-        else:
-            out[name] = values
+        values = [space.get(name, _MISSING) for space in spaces]
+        joined = _join(values, saved)
+        out[name] = joined if joined is not _MISSING else capture.NotSaved(
+            name, "in the body of a pipeline trace (it runs once per microbatch)")
     return out
+
+
+_MISSING = object()
+
+
+def _join(values: list, saved: set):
+    first = values[0]
+    if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and id(v) in saved
+                                               for v in values):
+        values = [v.detach() for v in values]
+        return torch.stack(values) if first.dim() == 0 else torch.cat(values)
+    if isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first)
+                                                for v in values):
+        items = [_join([v[i] for v in values], saved) for i in range(len(first))]
+        return _MISSING if any(i is _MISSING for i in items) else type(first)(items)
+    return _MISSING

@@ -26,33 +26,7 @@ torch.set_num_threads(1)
 ATOL = 1e-5
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-class Blocks(nn.Module):
-    """One stage: some of the model's own blocks, in order."""
-
-    def __init__(self, blocks):
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def build():
-    torch.manual_seed(0)
-    return Net()
+from distgrad.demo_pp import Blocks, build  # noqa: E402  the demo's 4-block MLP
 
 
 def batch():
@@ -166,20 +140,28 @@ def case_failure(model, net, ctx):
 
 
 def main():
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              SplitPoint, pipeline)
     parser = argparse.ArgumentParser()
     parser.add_argument("--schedule", required=True, choices=["gpipe", "1f1b"])
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default="all", choices=["all", "failure"])
+    parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     args = parser.parse_args()
     distgrad.config.failure_timeout = 3.0
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     net = build()
     per = len(net.layers) // world
-    stage = PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
-                          torch.device("cpu"))
+    if args.split == "manual":  # each rank keeps its own blocks of the whole model
+        stage = PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
+                              torch.device("cpu"))
+    else:  # the pipeline() frontend traces the model and splits it at the given layers
+        x, _ = batch()
+        pipe = pipeline(net, mb_args=(x.chunk(args.microbatches)[0],),
+                        split_spec={f"layers.{per * r}": SplitPoint.BEGINNING for r in range(1, world)})
+        stage = pipe.build_stage(rank, torch.device("cpu"))
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
     schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=nn.MSELoss())
     model = distgrad.wrap(schedule, full_model=net)

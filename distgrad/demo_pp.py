@@ -1,0 +1,144 @@
+"""The main job under pipeline parallelism:
+``torchrun --nproc_per_node 2 -m distgrad.demo --engine pp-1f1b`` (or ``pp-gpipe``).
+
+A 4-block MLP regression model is split over the ranks, one stage each (a manual split: each rank
+builds the whole model and keeps its blocks), and trained for a few SGD steps by a
+``torch.distributed.pipelining`` schedule with 4 microbatches. Every step the body, written
+against the whole model's paths and run once per microbatch on every rank, saves the gradient
+reaching each block and halves the one reaching ``layers[1]``. Rank 0 prints a table of the
+saved gradients' norms (whole batch). ``--check`` replays the steps on one process, unsplit,
+and compares the saved gradients and the trained weights (fp32, atol 1e-5).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distgrad
+
+MICROBATCHES = 4
+
+
+class Net(nn.Module):
+    """Four Linear+Tanh blocks: small enough to split over 1, 2 or 4 ranks."""
+
+    def __init__(self, width: int = 8, blocks: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                     for _ in range(blocks)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Blocks(nn.Module):
+    """One pipeline stage: some of the model's own blocks, in order (the same objects, so the
+    whole model's paths name them)."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def build() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def stage_of(net: Net, rank: int, world: int):
+    from torch.distributed.pipelining import PipelineStage
+    per = len(net.layers) // world
+    return PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
+                         torch.device("cpu"))
+
+
+def batches(steps: int):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)) for _ in range(steps)]
+
+
+def run(schedule_name: str, steps: int, check: bool) -> int:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        net = build()
+        kind = {"pp-gpipe": ScheduleGPipe, "pp-1f1b": Schedule1F1B}[schedule_name]
+        schedule = kind(stage_of(net, rank, world), n_microbatches=MICROBATCHES,
+                        loss_fn=nn.MSELoss())
+        model = distgrad.wrap(schedule, full_model=net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        tables = []
+        for x, y in batches(steps):
+            with model.trace(x, target=y) as tr:
+                acts = [model.layers[i].output for i in range(len(net.layers))]
+                with tr.loss.backward():
+                    grads = []
+                    for i in reversed(range(len(acts))):  # gradients come last stage first
+                        grads.insert(0, acts[i].grad.save())
+                        if i == 1:
+                            acts[1].grad = acts[1].grad * 0.5
+            opt.step()  # this stage's parameters have gradients; the others stay None
+            opt.zero_grad(set_to_none=True)
+            tables.append([g.norm().item() for g in grads])
+        if rank == 0:
+            print(f"engine {schedule_name}, {world} stages, {MICROBATCHES} microbatches, {steps} "
+                  f"steps; norms of the saved gradients (each microbatch's own loss):")
+            print("step " + "".join(f"{'layers[%d]' % i:>12}" for i in range(len(tables[0]))))
+            for s, row in enumerate(tables):
+                print(f"{s:4} " + "".join(f"{v:12.6f}" for v in row))
+        if not check:
+            return 0
+        ref_tables, ref = _reference(batches(steps))
+        per = len(net.layers) // world
+        own = [p for layer in net.layers[rank * per:(rank + 1) * per] for p in layer.parameters()]
+        want = [p for layer in ref.layers[rank * per:(rank + 1) * per] for p in layer.parameters()]
+        ok = all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+                 for a, b in zip(tables, ref_tables))
+        ok = ok and all(torch.allclose(p, q, atol=1e-5, rtol=0) for p, q in zip(own, want))
+        verdict = torch.tensor([int(ok)])
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)  # every stage checks its own weights
+        if rank == 0:
+            print("check against one process, unsplit, plain autograd:",
+                  "OK" if verdict.item() else "MISMATCH")
+        return 0 if verdict.item() else 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _reference(data):
+    """One process, unsplit: the same steps with a tensor hook halving layers[1]'s gradient.
+    The schedule backpropagates each microbatch's mean loss and divides parameter gradients by
+    the number of microbatches: the same parameter gradients as the whole batch's mean loss,
+    and activation gradients MICROBATCHES times the whole-batch ones."""
+    net = build()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    tables = []
+    for x, y in data:
+        acts = []
+
+        def keep(mod, args, out):
+            acts.append(out)
+            out.retain_grad()
+            if mod is net.layers[1]:
+                out.register_hook(lambda g: g * 0.5)
+
+        hooks = [layer.register_forward_hook(keep) for layer in net.layers]
+        nn.MSELoss()(net(x), y).backward()
+        for h in hooks:
+            h.remove()
+        norms = [(a.grad * MICROBATCHES).norm().item() for a in acts]
+        norms[1] = (acts[1].grad * 2 * MICROBATCHES).norm().item()  # seen before the halving
+        tables.append(norms)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return tables, net

@@ -23,6 +23,7 @@ class SkipBody(Exception):
 
 
 _trees: dict = {}
+_bodies: dict = {}  # (file, line of the with) -> (source, (code, names, first line))
 
 
 def capture(frame) -> tuple:
@@ -34,10 +35,13 @@ def capture(frame) -> tuple:
                            "`with tracer.invoke(...):` body there cannot be run later. Put "
                            "the code in a file or notebook cell, or trace without invokes.")
     source = "".join(lines)
+    line = frame.f_lineno
+    known = _bodies.get((filename, line))
+    if known is not None and known[0] == source:
+        return known[1]  # a loop opens the same block every step: parse and compile once
     tree = _trees.get(filename)
     if tree is None or tree[0] != source:
         tree = _trees[filename] = (source, ast.parse(source, filename))
-    line = frame.f_lineno
     node = _innermost_with(tree[1], line)
     if node is None:
         raise RuntimeError(f"distgrad could not find the `with` statement at {filename}:{line}.")
@@ -45,7 +49,9 @@ def capture(frame) -> tuple:
         raise SyntaxError(f"{filename}:{line}: put the body of `with tracer.invoke(...):` on its "
                           "own lines; distgrad runs it later and cannot skip a one-line body.")
     code = compile(ast.Module(body=node.body, type_ignores=[]), filename, "exec")
-    return code, _bound_names(node.body), _first_real_line(node.body)
+    found = (code, _bound_names(node.body), _first_real_line(node.body))
+    _bodies[(filename, line)] = (source, found)
+    return found
 
 
 def _first_real_line(body) -> int | None:

@@ -48,9 +48,9 @@ class Blocks(nn.Module):
         return x
 
 
-def build() -> Net:
+def build(width: int = 8) -> Net:
     torch.manual_seed(0)
-    return Net()
+    return Net(width)
 
 
 def stage_of(net: Net, rank: int, world: int):

@@ -13,9 +13,10 @@ from launch import run_ranks  # noqa: E402
 JOB = str(Path(__file__).parent / "dist" / "pp_job.py")
 
 
-def _job(tmp_path, schedule, microbatches, world, cases="all", split="manual"):
+def _job(tmp_path, schedule, microbatches, world, cases="all", split="manual", width=8):
     procs = run_ranks([JOB, "--schedule", schedule, "--microbatches", str(microbatches),
-                       "--cases", cases, "--split", split, "--out", str(tmp_path)], world)
+                       "--cases", cases, "--split", split, "--width", str(width),
+                       "--out", str(tmp_path)], world)
     results = []
     for rank, proc in enumerate(procs):
         path = tmp_path / f"rank{rank}.json"
@@ -28,6 +29,13 @@ def _job(tmp_path, schedule, microbatches, world, cases="all", split="manual"):
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_two_stages(schedule, microbatches, tmp_path):
     for rank, result in enumerate(_job(tmp_path, schedule, microbatches, 2)):
+        for case in ("case_read_edit", "case_out_of_order"):
+            assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
+
+
+def test_values_larger_than_one_message(tmp_path):
+    """[4, 2048] fp32 values (32 KiB) cross stages in a header message and a payload message."""
+    for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, width=2048)):
         for case in ("case_read_edit", "case_out_of_order"):
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 

@@ -51,6 +51,7 @@ from .collective import _CODE, _DTYPES
 from .distributed import DistributedEngine
 
 _HEAD = 12  # int64s: dtype code, requires_grad, ndim, shape (at most 9 dims)
+_INLINE = 16384  # bytes of a value that travel in the header's message
 
 
 class Event:
@@ -335,26 +336,44 @@ class _PipelineRun:
 
     # -- moving values ------------------------------------------------------------------------
     def _send(self, value, tag: int) -> None:
+        """To every other rank: one message of a fixed size (header, and the bytes when they
+        fit: most values), then the bytes in a second message if they did not."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"distgrad sends only tensors between pipeline stages; this value is "
                             f"a {type(value).__name__}. Read a tensor inside it on its stage.")
+        if value.dim() > _HEAD - 3:
+            raise ValueError(f"distgrad sends tensors of at most {_HEAD - 3} dimensions between "
+                             f"pipeline stages, not {value.dim()}.")
         data = value.detach().contiguous()
-        head = torch.zeros(_HEAD, dtype=torch.int64)
+        nbytes = data.numel() * data.element_size()
+        first = torch.zeros(8 * _HEAD + _INLINE, dtype=torch.uint8)
+        head = first[: 8 * _HEAD].view(torch.int64)
         head[:3] = torch.tensor([_CODE[data.dtype], int(value.requires_grad), data.dim()])
         head[3: 3 + data.dim()] = torch.tensor(data.shape, dtype=torch.int64)
-        me = dist.get_rank()
+        flat = data.reshape(-1).view(torch.uint8)
+        if nbytes <= _INLINE:
+            first[8 * _HEAD: 8 * _HEAD + nbytes] = flat
+        me, channel = dist.get_rank(), self.engine.channel
         for dst in range(dist.get_world_size()):
             if dst != me:
-                self.sends.append(dist.isend(head, dst, group=self.engine.channel, tag=2 * tag))
-                self.sends.append(dist.isend(data, dst, group=self.engine.channel, tag=2 * tag + 1))
-        self.sends.append(_Keep(head, data))
+                self.sends.append(dist.isend(first, dst, group=channel, tag=2 * tag))
+                if nbytes > _INLINE:
+                    self.sends.append(dist.isend(flat, dst, group=channel, tag=2 * tag + 1))
+        self.sends.append(_Keep(first, flat))
 
     def _receive(self, src: int, tag: int) -> torch.Tensor:
-        head = torch.empty(_HEAD, dtype=torch.int64)
-        self._wait(dist.irecv(head, src, group=self.engine.channel, tag=2 * tag))
-        code, grad, ndim = head[:3].tolist()
-        data = torch.empty(head[3: 3 + ndim].tolist(), dtype=_DTYPES[code])
-        self._wait(dist.irecv(data, src, group=self.engine.channel, tag=2 * tag + 1))
+        first = torch.empty(8 * _HEAD + _INLINE, dtype=torch.uint8)
+        self._wait(dist.irecv(first, src, group=self.engine.channel, tag=2 * tag))
+        code, grad, ndim = first[: 8 * _HEAD].view(torch.int64)[:3].tolist()
+        shape = first[: 8 * _HEAD].view(torch.int64)[3: 3 + ndim].tolist()
+        dtype = _DTYPES[code]
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if nbytes <= _INLINE:
+            data = first[8 * _HEAD: 8 * _HEAD + nbytes].clone().view(dtype).view(shape)
+        else:
+            data = torch.empty(shape, dtype=dtype)
+            self._wait(dist.irecv(data.view(-1).view(torch.uint8), src,
+                                  group=self.engine.channel, tag=2 * tag + 1))
         # a copy in a graph of its own: editable in place, and `with x.backward():` accepts it
         return data.requires_grad_(True).clone() if grad else data
 

@@ -29,9 +29,12 @@ ATOL = 1e-5
 from distgrad.demo_pp import Blocks, build  # noqa: E402  the demo's 4-block MLP
 
 
+WIDTH = 8  # --width; 2048 makes each microbatch's values larger than one message carries
+
+
 def batch():
     g = torch.Generator().manual_seed(1)
-    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    return torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
 
 
 def close(a, b, what):
@@ -43,7 +46,7 @@ def close(a, b, what):
 
 
 def oracle(x, y, m):
-    net = build()
+    net = build(WIDTH)
     seen = {}
 
     def keep(i, factor=1.0):
@@ -148,11 +151,14 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default="all", choices=["all", "failure"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
+    parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
+    global WIDTH
+    WIDTH = args.width
     distgrad.config.failure_timeout = 3.0
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    net = build()
+    net = build(WIDTH)
     per = len(net.layers) // world
     if args.split == "manual":  # each rank keeps its own blocks of the whole model
         stage = PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,

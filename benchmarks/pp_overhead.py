@@ -1,0 +1,105 @@
+"""Pipeline parallel, 2 stages, Schedule1F1B with 4 microbatches: a traced step against the same
+step with raw hooks.
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/pp_overhead.py [--steps 200]
+
+The 4-block MLP of distgrad/demo_pp.py (widened to 256 so that a step is not all Python). The
+step: save layers[1]'s output (stage 0) and its gradient, and double that gradient. Raw hooks
+do it on the owning stage only: a forward hook that keeps the output and registers a tensor hook
+that keeps the gradient and returns it doubled. distgrad also sends the values to the other
+stage (every rank ends with them) and joins the microbatches. Rank 0 prints medians and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distgrad
+from distgrad.demo_pp import Blocks, Net
+
+
+def main():
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--width", type=int, default=256)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    net = Net(width=args.width)
+    per = len(net.layers) // world
+    stage = PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
+                          torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=nn.MSELoss())
+    model = distgrad.wrap(schedule, full_model=net)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, args.width, generator=g), torch.randn(32, args.width, generator=g)
+
+    def step(**kw):
+        if stage.is_first:
+            schedule.step(x, **kw)
+        else:
+            schedule.step(target=y, **kw)
+
+    def raw():
+        kept = []
+
+        def on_grad(grad):
+            kept.append(grad.clone())
+            return grad * 2
+
+        def on_output(module, inputs, out):
+            kept.append(out.detach())
+            out.register_hook(on_grad)
+
+        handle = net.layers[1].register_forward_hook(on_output) if rank * per <= 1 < (rank + 1) * per else None
+        step()
+        if handle is not None:
+            handle.remove()
+        return kept
+
+    def traced():
+        with model.trace(x, target=y) as tr:
+            h = model.layers[1].output.save()
+            with tr.loss.backward():
+                g1 = h.grad.save()
+                h.grad = h.grad * 2
+        return h, g1
+
+    def traced_empty():
+        with model.trace(x, target=y) as tr:
+            with tr.loss.backward():
+                pass
+
+    raw(), traced()
+    net.zero_grad(set_to_none=True)
+    fns = {"raw hooks": raw, "distgrad": traced, "distgrad, a body that reads nothing": traced_empty}
+    times = {name: [] for name in fns}
+    for _ in range(args.steps // 10):
+        for name, fn in fns.items():
+            for _ in range(10):
+                dist.barrier()
+                t = time.perf_counter_ns()
+                fn()
+                times[name].append(time.perf_counter_ns() - t)
+                net.zero_grad(set_to_none=True)
+    if rank == 0:
+        print(f"torch {torch.__version__}, 1F1B over {world} stages, 4 microbatches, width "
+              f"{args.width}, gloo, median of {args.steps}")
+        print("\n| variant | us/step | ratio |\n|---|---:|---:|")
+        base = statistics.median(times["raw hooks"]) / 1e3
+        for name, v in times.items():
+            m = statistics.median(v) / 1e3
+            print(f"| {name} | {m:.1f} | {m / base:.2f}x |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

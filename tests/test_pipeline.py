@@ -57,3 +57,15 @@ def test_four_stages_on_four_ranks(tmp_path):
 def test_failure_on_one_stage_reaches_all(tmp_path):
     for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, cases="failure")):
         assert result.get("case_failure") == "ok", f"rank {rank}:\n{result.get('case_failure')}"
+
+
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_deepspeed_pipeline_engine(microbatches, tmp_path):
+    """DeepSpeed's PipelineModule under engine.train_batch(): the same body, the same numbers,
+    and train_batch's optimizer step applied to the edited gradients."""
+    job = str(Path(__file__).parent / "dist" / "ds_pipe_job.py")
+    procs = run_ranks([job, "--microbatches", str(microbatches), "--out", str(tmp_path)], 2)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result.get("case_train_batch") == "ok", f"rank {rank}:\n{result}"

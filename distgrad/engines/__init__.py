@@ -27,6 +27,9 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
     if accelerator is not None:
         from .accelerate import AccelerateEngine
         return AccelerateEngine(obj, accelerator, select(obj))
+    if type(obj).__name__ == "PipelineEngine" and type(obj).__module__.startswith("deepspeed"):
+        from .deepspeed_pipe import DeepSpeedPipeEngine
+        return DeepSpeedPipeEngine(obj, full_model)
     if type(obj).__name__ == "DeepSpeedEngine":  # no import: deepspeed is optional and slow
         from .deepspeed import DeepSpeedEngineAdapter
         return DeepSpeedEngineAdapter(obj)

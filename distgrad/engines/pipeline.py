@@ -37,7 +37,7 @@ the gradient of its own microbatch's loss, as a data-parallel rank sees its own 
 """
 from __future__ import annotations
 
-import sys
+import contextlib
 from datetime import timedelta
 
 import greenlet
@@ -72,29 +72,78 @@ class PipelineEngine(DistributedEngine):
             raise NotImplementedError(
                 f"distgrad.wrap({type(schedule).__name__}): only schedules with one stage per "
                 "rank (ScheduleGPipe, Schedule1F1B) are supported so far.")
+        self.schedule, self.stage = schedule, stage
+        self._setup(full_model, stage.submod, stage.stage_index, stage.num_stages)
+
+    def _setup(self, full_model, submod, stage_index: int, num_stages: int) -> None:
         if full_model is None:
-            raise TypeError("distgrad.wrap(schedule, full_model=net): pass the whole model "
-                            "(it may be on the meta device) so that the body can use its paths.")
+            raise TypeError("distgrad.wrap(pipeline, full_model=net): pass the whole model (it "
+                            "may be on the meta device) so that the body can use its paths.")
+        if dist.is_initialized() and dist.get_world_size() != num_stages:
+            raise NotImplementedError(f"distgrad runs pipelines of one stage per rank: {num_stages} "
+                                      f"stages on {dist.get_world_size()} ranks.")
         super().__init__(full_model, group=dist.group.WORLD, gather=False)
-        self.schedule, self.stage, self.full = schedule, stage, full_model
+        self.full = full_model
         # This stage's modules, as the whole model names them: the very objects after a manual
         # split; copies under the same names after the pipeline() frontend (which traces the
         # model into new modules but keeps the paths)
-        mine = {id(m) for m in stage.submod.modules()}
-        by_name = dict(stage.submod.named_modules())
+        mine = {id(m) for m in submod.modules()}
+        by_name = dict(submod.named_modules())
         self.local = {id(m): m for m in full_model.modules() if id(m) in mine}
         if not self.local:  # id(module of full_model) -> the module this stage runs
             self.local = {id(m): by_name[n] for n, m in full_model.named_modules()
                           if n and n in by_name}
         names = [n for n, m in full_model.named_modules() if id(m) in self.local]
         table = [None] * dist.get_world_size()
-        dist.all_gather_object(table, (stage.stage_index, names))
+        dist.all_gather_object(table, (stage_index, names))
         self.stage_of_name = {n: s for s, ns in table for n in ns}
         self.rank_of_stage = {s: r for r, (s, _) in enumerate(table)}
         self.names = {id(m): n for n, m in full_model.named_modules()}
-        self.my_stage = stage.stage_index
-        self.last_stage = stage.num_stages - 1
+        self.my_stage = stage_index
+        self.last_stage = num_stages - 1
         self.channel = dist.new_group(backend="gloo")  # distgrad's own sends and receives
+
+    # -- what differs between pipeline runtimes ---------------------------------------------
+    def microbatches(self) -> int:
+        return self.schedule._n_microbatches
+
+    def run_step(self, args: tuple, kwargs: dict):
+        """One step of the schedule: inputs on the first stage, target and losses on the last."""
+        stage, schedule = self.stage, self.schedule
+        kwargs = dict(kwargs)
+        target, losses = kwargs.pop("target", None), kwargs.pop("losses", None)
+        step_args = args if stage.is_first else ()
+        if stage.is_last:
+            return schedule.step(*step_args, target=target, losses=losses, **kwargs)
+        return schedule.step(*step_args, **kwargs)
+
+    def instrument(self, on_chunk, on_loss):
+        """Call ``on_chunk(phase, microbatch)`` as each chunk starts ("F"/"B") and
+        ``on_loss(microbatch, loss)`` when the last stage has a microbatch's loss. Returns
+        a function that undoes it."""
+        stage, schedule = self.stage, self.schedule
+        fwd, bwd, loss = stage.forward_one_chunk, stage.backward_one_chunk, schedule._maybe_compute_loss
+
+        def chunk(phase, real):
+            def run(chunk_id, *args, **kwargs):
+                with on_chunk(phase, chunk_id):
+                    return real(chunk_id, *args, **kwargs)
+            return run
+
+        def compute_loss(st, output, target_mbs, mb_index, *args, **kwargs):
+            loss(st, output, target_mbs, mb_index, *args, **kwargs)
+            if st.is_last:
+                on_loss(mb_index, schedule._internal_losses[-1])
+
+        stage.forward_one_chunk = chunk("F", fwd)
+        stage.backward_one_chunk = chunk("B", bwd)
+        schedule._maybe_compute_loss = compute_loss
+
+        def restore():
+            for obj, name in ((stage, "forward_one_chunk"), (stage, "backward_one_chunk"),
+                              (schedule, "_maybe_compute_loss")):
+                obj.__dict__.pop(name, None)
+        return restore
 
     @property
     def root(self):
@@ -125,12 +174,12 @@ class _PipelineRun:
     def run(self, code, names, frame) -> None:
         engine, trace = self.engine, self.trace
         args, kwargs = trace.raw_inputs
-        n = engine.schedule._n_microbatches
+        n = engine.microbatches()
         scheduler = greenlet.getcurrent()
         bodies = [Body(trace, index=m, scheduler=scheduler) for m in range(n)]
         for body in bodies:
             body.seq, body.last_stage = 0, -1
-        self.session = session = Session("forward", lambda: self._step(args, kwargs), bodies)
+        self.session = session = Session("forward", lambda: engine.run_step(args, kwargs), bodies)
         trace.pipeline = self
         spaces = [{**frame.f_globals, **frame.f_locals} for _ in bodies]
         glets = []
@@ -156,46 +205,27 @@ class _PipelineRun:
             trace.pipeline = None
         capture.write_back(frame, _joined(names, bodies, spaces))
 
-    def _step(self, args, kwargs):
-        stage, schedule = self.engine.stage, self.engine.schedule
-        target, losses = kwargs.pop("target", None), kwargs.pop("losses", None)
-        step_args = args if stage.is_first else ()
-        if stage.is_last:
-            return schedule.step(*step_args, target=target, losses=losses, **kwargs)
-        return schedule.step(*step_args, **kwargs)
-
     def _instrument(self):
         """Mark each chunk with its microbatch and phase, and catch each microbatch's loss."""
-        stage, schedule, session = self.engine.stage, self.engine.schedule, self.session
-        fwd, bwd, loss = stage.forward_one_chunk, stage.backward_one_chunk, schedule._maybe_compute_loss
+        session = self.session
         self.loss_point = Event()
         self.loss_point.kind = "output"
 
-        def chunk(phase, real):
-            def run(chunk_id, *args, **kwargs):
-                self._event((phase, chunk_id))
-                session.microbatch = chunk_id if phase == "F" else -1
-                try:
-                    return real(chunk_id, *args, **kwargs)
-                finally:
-                    session.microbatch = -1
-            return run
+        @contextlib.contextmanager
+        def on_chunk(phase, microbatch):
+            self._event((phase, microbatch))
+            session.microbatch = microbatch if phase == "F" else -1
+            try:
+                yield
+            finally:
+                session.microbatch = -1
 
-        def compute_loss(st, output, target_mbs, mb_index, *args, **kwargs):
-            loss(st, output, target_mbs, mb_index, *args, **kwargs)
-            if st.is_last and (self.loss_point, mb_index) in session.wanted:
-                session.fire((self.loss_point, mb_index), schedule._internal_losses[-1])
+        def on_loss(microbatch, loss):
+            if (self.loss_point, microbatch) in session.wanted:
+                session.fire((self.loss_point, microbatch), loss)
 
         session.microbatch = -1
-        stage.forward_one_chunk = chunk("F", fwd)
-        stage.backward_one_chunk = chunk("B", bwd)
-        schedule._maybe_compute_loss = compute_loss
-
-        def restore():
-            for obj, name in ((stage, "forward_one_chunk"), (stage, "backward_one_chunk"),
-                              (schedule, "_maybe_compute_loss")):
-                obj.__dict__.pop(name, None)
-        return restore
+        return self.engine.instrument(on_chunk, on_loss)
 
     def _event(self, key) -> None:
         self.fired.add(key)

@@ -1,0 +1,90 @@
+"""DeepSpeed's pipeline engine: the demo's 4-block MLP as a PipelineModule over the ranks (one
+stage each), one train_batch per trace. Usage: ds_pipe_job.py --microbatches M --out DIR.
+
+Oracle (pp_job.oracle): the unsplit model on one process with the same edits; DeepSpeed
+backpropagates each microbatch's loss / M, so the body's gradients equal the whole batch's, and
+after train_batch's SGD step (lr 0.1) the weights equal one SGD step of the oracle.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+import distgrad  # noqa: E402
+from pp_job import batch, build, close, oracle  # noqa: E402
+
+LR = 0.1
+
+
+def case_train_batch(model, net, engine, ctx):
+    m = ctx["m"]
+    x, y = batch()
+    micro = list(zip(x.chunk(m), y.chunk(m)))
+    with model.trace(micro) as tr:
+        h0 = model.layers[0].output.save()
+        h1 = model.layers[1].output.save()
+        model.layers[2].output = model.layers[2].output + h0
+        h3 = model.layers[3].output.save()
+        loss = tr.loss.save()
+        with tr.loss.backward():
+            g3 = h3.grad.save()
+            g1 = h1.grad.save()
+            h1.grad = h1.grad * 2
+    ref = oracle(x, y, m)
+    close(h1, ref["h1"], "layers[1] output")
+    close(h3, ref["h3"], "layers[3] output after the cross-stage edit")
+    close(loss, ref["losses"], "per-microbatch losses")
+    close(g3, ref["g3"], "layers[3] gradient (the whole batch's mean loss)")
+    close(g1, ref["g1"], "layers[1] gradient")
+    start = build(8)
+    for (name, param), (_, before) in zip(net.named_parameters(), start.named_parameters()):
+        if name.startswith(tuple(f"layers.{i}." for i in ctx["mine"])):
+            close(param.detach(), before.detach() - LR * ref["params"][name],
+                  f"{name} after train_batch's SGD step")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    distgrad.config.failure_timeout = 3.0
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = build(8)
+    pipe = PipelineModule(layers=list(net.layers), num_stages=world, loss_fn=nn.MSELoss(),
+                          partition_method="uniform")
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8 // args.microbatches,
+              "gradient_accumulation_steps": args.microbatches, "steps_per_print": 10 ** 6,
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}}
+    engine, *_ = deepspeed.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=LR),
+                                      config=config)
+    model = distgrad.wrap(engine, full_model=net)
+    ctx = {"rank": rank, "m": args.microbatches,
+           "mine": list(range(pipe._local_start, pipe._local_stop))}
+    results = {}
+    for case in (case_train_batch,):
+        try:
+            case(model, net, engine, ctx)
+            results[case.__name__] = "ok"
+        except Exception:
+            results[case.__name__] = traceback.format_exc()
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

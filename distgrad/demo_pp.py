@@ -1,5 +1,6 @@
 """The main job under pipeline parallelism:
-``torchrun --nproc_per_node 2 -m distgrad.demo --engine pp-1f1b`` (or ``pp-gpipe``).
+``torchrun --nproc_per_node 2 -m distgrad.demo --engine pp-1f1b`` (or ``pp-gpipe``, or
+``deepspeed-pipe``: the same blocks as a DeepSpeed PipelineModule run by ``train_batch``).
 
 A 4-block MLP regression model is split over the ranks, one stage each (a manual split: each rank
 builds the whole model and keeps its blocks), and trained for a few SGD steps by a
@@ -65,20 +66,44 @@ def batches(steps: int):
     return [(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)) for _ in range(steps)]
 
 
+def _deepspeed_pipeline(net: Net, world: int):
+    """The same blocks as a DeepSpeed PipelineModule; its train_batch steps the optimizer."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    pipe = PipelineModule(layers=list(net.layers), num_stages=world, loss_fn=nn.MSELoss(),
+                          partition_method="uniform")
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8 // MICROBATCHES,
+              "gradient_accumulation_steps": MICROBATCHES, "steps_per_print": 10 ** 6,
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}}
+    engine, *_ = deepspeed.initialize(model=pipe, config=config,
+                                      optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1))
+    return engine
+
+
 def run(schedule_name: str, steps: int, check: bool) -> int:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-    dist.init_process_group("gloo")
+    deepspeed = schedule_name == "deepspeed-pipe"
+    if deepspeed:
+        import deepspeed as ds
+        ds.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         net = build()
-        kind = {"pp-gpipe": ScheduleGPipe, "pp-1f1b": Schedule1F1B}[schedule_name]
-        schedule = kind(stage_of(net, rank, world), n_microbatches=MICROBATCHES,
-                        loss_fn=nn.MSELoss())
-        model = distgrad.wrap(schedule, full_model=net)
+        if deepspeed:
+            model = distgrad.wrap(_deepspeed_pipeline(net, world), full_model=net)
+        else:
+            kind = {"pp-gpipe": ScheduleGPipe, "pp-1f1b": Schedule1F1B}[schedule_name]
+            schedule = kind(stage_of(net, rank, world), n_microbatches=MICROBATCHES,
+                            loss_fn=nn.MSELoss())
+            model = distgrad.wrap(schedule, full_model=net)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         tables = []
         for x, y in batches(steps):
-            with model.trace(x, target=y) as tr:
+            inputs = ((list(zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))),), {}) if deepspeed \
+                else ((x,), {"target": y})
+            with model.trace(*inputs[0], **inputs[1]) as tr:
                 acts = [model.layers[i].output for i in range(len(net.layers))]
                 with tr.loss.backward():
                     grads = []
@@ -86,18 +111,20 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
                         grads.insert(0, acts[i].grad.save())
                         if i == 1:
                             acts[1].grad = acts[1].grad * 0.5
-            opt.step()  # this stage's parameters have gradients; the others stay None
-            opt.zero_grad(set_to_none=True)
+            if not deepspeed:  # (DeepSpeed's train_batch has stepped its own optimizer)
+                opt.step()  # this stage's parameters have gradients; the others stay None
+                opt.zero_grad(set_to_none=True)
             tables.append([g.norm().item() for g in grads])
         if rank == 0:
+            scale = "the whole batch's mean loss" if deepspeed else "each microbatch's own loss"
             print(f"engine {schedule_name}, {world} stages, {MICROBATCHES} microbatches, {steps} "
-                  f"steps; norms of the saved gradients (each microbatch's own loss):")
+                  f"steps; norms of the saved gradients ({scale}):")
             print("step " + "".join(f"{'layers[%d]' % i:>12}" for i in range(len(tables[0]))))
             for s, row in enumerate(tables):
                 print(f"{s:4} " + "".join(f"{v:12.6f}" for v in row))
         if not check:
             return 0
-        ref_tables, ref = _reference(batches(steps))
+        ref_tables, ref = _reference(batches(steps), 1 if deepspeed else MICROBATCHES)
         per = len(net.layers) // world
         own = [p for layer in net.layers[rank * per:(rank + 1) * per] for p in layer.parameters()]
         want = [p for layer in ref.layers[rank * per:(rank + 1) * per] for p in layer.parameters()]
@@ -115,11 +142,12 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
             dist.destroy_process_group()
 
 
-def _reference(data):
+def _reference(data, scale: int):
     """One process, unsplit: the same steps with a tensor hook halving layers[1]'s gradient.
-    The schedule backpropagates each microbatch's mean loss and divides parameter gradients by
-    the number of microbatches: the same parameter gradients as the whole batch's mean loss,
-    and activation gradients MICROBATCHES times the whole-batch ones."""
+    torch's schedules backpropagate each microbatch's mean loss and divide parameter gradients
+    by the number of microbatches: the same parameter gradients as the whole batch's mean loss,
+    and activation gradients MICROBATCHES times the whole-batch ones (``scale``). DeepSpeed
+    backpropagates loss / MICROBATCHES: scale 1."""
     net = build()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     tables = []
@@ -136,8 +164,8 @@ def _reference(data):
         nn.MSELoss()(net(x), y).backward()
         for h in hooks:
             h.remove()
-        norms = [(a.grad * MICROBATCHES).norm().item() for a in acts]
-        norms[1] = (acts[1].grad * 2 * MICROBATCHES).norm().item()  # seen before the halving
+        norms = [(a.grad * scale).norm().item() for a in acts]
+        norms[1] = (acts[1].grad * 2 * scale).norm().item()  # seen before the halving
         tables.append(norms)
         opt.step()
         opt.zero_grad(set_to_none=True)

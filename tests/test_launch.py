@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import ENGINES, free_port  # noqa: E402
 
 
-@pytest.mark.parametrize("engine", ENGINES + ["tp", "pp-gpipe", "pp-1f1b"])
+@pytest.mark.parametrize("engine", ENGINES + ["tp", "pp-gpipe", "pp-1f1b", "deepspeed-pipe"])
 def test_demo_under_torchrun_matches_one_process(engine):
     """The shipped launch script: a few SGD steps with an edit, checked on rank 0."""
     import subprocess
@@ -41,3 +41,14 @@ def test_demo_under_the_deepspeed_launcher():
                           env={**os.environ, "MASTER_PORT": str(free_port())})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check against one process, plain autograd, global batch: OK" in proc.stdout
+
+
+def test_deepspeed_pipeline_under_the_deepspeed_launcher():
+    """launch/deepspeed.sh pipe: DeepSpeed's pipeline engine under its own launcher."""
+    import os
+    import subprocess
+    script = Path(__file__).parent.parent / "launch" / "deepspeed.sh"
+    proc = subprocess.run(["bash", str(script), "pipe"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "MASTER_PORT": str(free_port())})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check against one process, unsplit, plain autograd: OK" in proc.stdout

@@ -54,9 +54,9 @@ _HEAD = 12  # int64s: dtype code, requires_grad, ndim, shape (at most 9 dims)
 _INLINE = 16384  # bytes of a value that travel in the header's message
 
 
-class Event:
-    """A point in the schedule (start of a chunk, end of the step) where remote values land."""
-    kind = "event"
+class LossPoint:
+    """Where the last stage hands over a microbatch's loss (a point with nothing to remove)."""
+    kind = "output"
 
     def remove(self):
         pass
@@ -208,8 +208,7 @@ class _PipelineRun:
     def _instrument(self):
         """Mark each chunk with its microbatch and phase, and catch each microbatch's loss."""
         session = self.session
-        self.loss_point = Event()
-        self.loss_point.kind = "output"
+        self.loss_point = LossPoint()
 
         @contextlib.contextmanager
         def on_chunk(phase, microbatch):

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import distgrad
 from distgrad.engines import collective
+from ranks import print_ratios, time_in_turns
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -68,16 +69,8 @@ def main():
     a, b = raw(), traced()
     ddp.zero_grad(set_to_none=True)
     assert torch.allclose(a, b, atol=1e-5), "raw and traced gathers differ"
-    times = {"raw hooks + all_gather": [], "distgrad": []}
     fns = {"raw hooks + all_gather": raw, "distgrad": traced}
-    for _ in range(args.steps // 10):
-        for name, fn in fns.items():
-            for _ in range(10):
-                dist.barrier()
-                t = time.perf_counter_ns()
-                fn()
-                times[name].append(time.perf_counter_ns() - t)
-                ddp.zero_grad(set_to_none=True)
+    times = time_in_turns(fns, args.steps, after=lambda: ddp.zero_grad(set_to_none=True))
 
     gather = {}
     for s in (1, 4, 16, 64):
@@ -107,11 +100,7 @@ def main():
 
     if rank == 0:
         print(f"torch {torch.__version__}, {world} ranks, gloo, 1 thread each, median of {args.steps}")
-        print("\n| variant | us/step | ratio |\n|---|---:|---:|")
-        base = statistics.median(times["raw hooks + all_gather"]) / 1e3
-        for name, v in times.items():
-            m = statistics.median(v) / 1e3
-            print(f"| {name} | {m:.1f} | {m / base:.2f}x |")
+        print_ratios(times, "raw hooks + all_gather")
         print("\n| saved tensors S | one raw all_gather us | distgrad exchange us | ratio |\n|---:|---:|---:|---:|")
         for s, (one, ours) in gather.items():
             print(f"| {s} | {one:.1f} | {ours:.1f} | {ours / one:.2f}x |")

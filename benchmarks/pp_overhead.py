@@ -12,8 +12,6 @@ stage (every rank ends with them) and joins the microbatches. Rank 0 prints medi
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -21,6 +19,7 @@ from torch import nn
 
 import distgrad
 from distgrad.demo_pp import Blocks, Net
+from ranks import print_ratios, time_in_turns
 
 
 def main():
@@ -81,23 +80,11 @@ def main():
     raw(), traced()
     net.zero_grad(set_to_none=True)
     fns = {"raw hooks": raw, "distgrad": traced, "distgrad, a body that reads nothing": traced_empty}
-    times = {name: [] for name in fns}
-    for _ in range(args.steps // 10):
-        for name, fn in fns.items():
-            for _ in range(10):
-                dist.barrier()
-                t = time.perf_counter_ns()
-                fn()
-                times[name].append(time.perf_counter_ns() - t)
-                net.zero_grad(set_to_none=True)
+    times = time_in_turns(fns, args.steps, after=lambda: net.zero_grad(set_to_none=True))
     if rank == 0:
         print(f"torch {torch.__version__}, 1F1B over {world} stages, 4 microbatches, width "
               f"{args.width}, gloo, median of {args.steps}")
-        print("\n| variant | us/step | ratio |\n|---|---:|---:|")
-        base = statistics.median(times["raw hooks"]) / 1e3
-        for name, v in times.items():
-            m = statistics.median(v) / 1e3
-            print(f"| {name} | {m:.1f} | {m / base:.2f}x |")
+        print_ratios(times, "raw hooks")
     dist.destroy_process_group()
 
 

@@ -11,14 +11,13 @@ ranks run the same interleaved sequence; rank 0 prints medians and the ratio.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import distgrad
 from distgrad.demo_tp import build_llama, parallelize_llama
+from ranks import print_ratios, time_in_turns
 
 
 def gather_last(t, world):
@@ -71,23 +70,11 @@ def main():
     net.zero_grad(set_to_none=True)
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b)), "raw and traced differ"
     fns = {"raw hooks + manual all_gathers": raw, "distgrad": traced}
-    times = {name: [] for name in fns}
-    for _ in range(args.steps // 10):
-        for name, fn in fns.items():
-            for _ in range(10):
-                dist.barrier()
-                t = time.perf_counter_ns()
-                fn()
-                times[name].append(time.perf_counter_ns() - t)
-                net.zero_grad(set_to_none=True)
+    times = time_in_turns(fns, args.steps, after=lambda: net.zero_grad(set_to_none=True))
     if rank == 0:
         print(f"torch {torch.__version__}, tensor parallel over {world} ranks, gloo, "
               f"median of {args.steps}")
-        print("\n| variant | us/step | ratio |\n|---|---:|---:|")
-        base = statistics.median(times["raw hooks + manual all_gathers"]) / 1e3
-        for name, v in times.items():
-            m = statistics.median(v) / 1e3
-            print(f"| {name} | {m:.1f} | {m / base:.2f}x |")
+        print_ratios(times, "raw hooks + manual all_gathers")
     dist.destroy_process_group()
 
 

@@ -8,10 +8,7 @@ after train_batch's SGD step (lr 0.1) the weights equal one SGD step of the orac
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -20,7 +17,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distgrad  # noqa: E402
-from pp_job import batch, build, close, oracle  # noqa: E402
+from cases import close, run_cases  # noqa: E402
+from pp_job import batch, build, oracle  # noqa: E402
 
 LR = 0.1
 
@@ -73,17 +71,7 @@ def main():
     model = distgrad.wrap(engine, full_model=net)
     ctx = {"rank": rank, "m": args.microbatches,
            "mine": list(range(pipe._local_start, pipe._local_stop))}
-    results = {}
-    for case in (case_train_batch,):
-        try:
-            case(model, net, engine, ctx)
-            results[case.__name__] = "ok"
-        except Exception:
-            results[case.__name__] = traceback.format_exc()
-        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run_cases((case_train_batch,), args.out, rank, model, net, engine, ctx)
 
 
 if __name__ == "__main__":

@@ -9,24 +9,22 @@ after the engine's average over ranks (DDP and FSDP average: the oracle divides 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
 import distgrad
+from cases import close, run_cases  # noqa: E402  (tests/dist is the script's folder)
 from distgrad.demo_parallel import _init, wrap_with_engine
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 torch.set_num_threads(1)
-ATOL = 1e-5
-# Losses are logits.sum() * SCALE: gradients of order 1, so that atol 1e-5 is a fair test of
+# Losses are logits.sum() * SCALE: gradients of order 1, so that atol 1e-5 (cases.ATOL) is a fair test of
 # fp32 numbers summed in a different order (an all-reduce) rather than of their magnitude.
 SCALE = 1e-3
 
@@ -76,14 +74,6 @@ def oracle(ids, edit: float = 1.0):
     seen["params"] = {n: p.grad.clone() for n, p in net.named_parameters()}
     seen["losses"] = out.logits.detach()
     return seen
-
-
-def close(a, b, what):
-    if a.shape != b.shape:
-        raise AssertionError(f"{what}: shape {list(a.shape)} != {list(b.shape)}")
-    diff = (a - b).abs().max().item()
-    if diff > ATOL:
-        raise AssertionError(f"{what}: max abs diff {diff:.3g} > {ATOL}")
 
 
 PARAMS = ["transformer.h.0.mlp.c_fc.weight", "transformer.h.1.attn.c_attn.bias",
@@ -262,26 +252,10 @@ def main():
     args = parser.parse_args()
     distgrad.config.failure_timeout = 3.0
     _init(args.engine)
-    results = {}
     wrapped, options = wrap_with_engine(args.engine, build(), lr=0.0)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = distgrad.wrap(wrapped, accelerator=options.get("accelerator"))
-    for case in CASES[args.cases]:
-        try:
-            case(model, wrapped, rank, world)
-            results[case.__name__] = "ok"
-        except Exception:
-            results[case.__name__] = traceback.format_exc()
-        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    try:
-        if dist.is_initialized():  # a failure case leaves it destroyed on every rank
-            dist.destroy_process_group()
-    except Exception as exc:  # recorded: a clean exit is part of the contract
-        results["teardown"] = repr(exc)
-        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-
+    run_cases(CASES[args.cases], args.out, rank, model, wrapped, rank, world)
 
 if __name__ == "__main__":
     sys.exit(main())

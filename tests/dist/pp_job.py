@@ -10,20 +10,17 @@ whole-batch ones and parameter gradients are equal.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import distgrad
+from cases import close, run_cases  # noqa: E402  (tests/dist is the script's folder)
 
 torch.set_num_threads(1)
-ATOL = 1e-5
 
 
 from distgrad.demo_pp import Blocks, build  # noqa: E402  the demo's 4-block MLP
@@ -35,14 +32,6 @@ WIDTH = 8  # --width; 2048 makes each microbatch's values larger than one messag
 def batch():
     g = torch.Generator().manual_seed(1)
     return torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
-
-
-def close(a, b, what):
-    if a.shape != b.shape:
-        raise AssertionError(f"{what}: shape {list(a.shape)} != {list(b.shape)}")
-    diff = (a - b).abs().max().item()
-    if diff > ATOL:
-        raise AssertionError(f"{what}: max abs diff {diff:.3g} > {ATOL}")
 
 
 def oracle(x, y, m):
@@ -172,19 +161,9 @@ def main():
     schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=nn.MSELoss())
     model = distgrad.wrap(schedule, full_model=net)
     ctx = {"rank": rank, "world": world, "m": args.microbatches}
-    results = {}
     # each ends the job's group when it raises, so an error case runs last
     cases = (case_read_edit, case_out_of_order) if args.cases == "all" else (case_failure,)
-    for case in cases:
-        try:
-            case(model, net, ctx)
-            results[case.__name__] = "ok"
-        except Exception:
-            results[case.__name__] = traceback.format_exc()
-        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run_cases(cases, args.out, rank, model, net, ctx)
 
 
 if __name__ == "__main__":

@@ -11,30 +11,20 @@ on the global batch (fp32, atol 1e-5).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
 import distgrad
+from cases import close, run_cases  # noqa: E402  (tests/dist is the script's folder)
 from distgrad.demo_tp import build_llama, parallelize_llama
 
 torch.set_num_threads(1)
-ATOL = 1e-5
 SCALE = 1e-3
 SEQ = 8
-
-
-def close(a, b, what):
-    if a.shape != b.shape:
-        raise AssertionError(f"{what}: shape {list(a.shape)} != {list(b.shape)}")
-    diff = (a - b).abs().max().item()
-    if diff > ATOL:
-        raise AssertionError(f"{what}: max abs diff {diff:.3g} > {ATOL}")
 
 
 def global_ids(rows: int):
@@ -286,22 +276,12 @@ def main():
         dp, dp_rank, tp_rank = 1, 0, rank
     model = distgrad.wrap(net, tp_shards={"model.layers.0": 1} if sequence else None)
     ctx = (rank, dp, dp_rank, tp_rank, sequence)
-    results = {}
     # the last two end with an error on a rank, which tears the process group down
     cases = ((case_read_edit, case_read_edit_thread, case_collectives, case_failure)
              if args.cases == "all" else (case_killed,))
     if args.layout == "tp" and args.cases == "all":  # elsewhere the forward communicates first
         cases += (case_two_forms,)
-    for case in cases:
-        try:
-            case(model, net, ctx)
-            results[case.__name__] = "ok"
-        except Exception:
-            results[case.__name__] = traceback.format_exc()
-        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run_cases(cases, args.out, rank, model, net, ctx)
 
 
 if __name__ == "__main__":

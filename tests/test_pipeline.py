@@ -54,6 +54,12 @@ def test_four_stages_on_four_ranks(tmp_path):
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_late_forward_read_raises_instead_of_hanging(schedule, tmp_path):
+    for rank, result in enumerate(_job(tmp_path, schedule, 2, 2, cases="late_read")):
+        assert result.get("case_late_read") == "ok", f"rank {rank}:\n{result.get('case_late_read')}"
+
+
 def test_failure_on_one_stage_reaches_all(tmp_path):
     for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, cases="failure")):
         assert result.get("case_failure") == "ok", f"rank {rank}:\n{result.get('case_failure')}"

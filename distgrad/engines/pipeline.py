@@ -26,10 +26,15 @@ certainly sent it, which makes waiting safe in every schedule:
 * a gradient of an earlier stage: when this rank's step has finished.
 
 An assignment to another stage's value is applied by its owner (which runs the same line); other
-ranks keep it in their copy only. Requests go in pipeline order - forward values by increasing
-stage, gradients by decreasing stage - and a request against that order raises
-``OutOfOrderError`` on every rank. A receive waits at most ``config.failure_timeout`` seconds
-between checks of the job's failure key, so a failure on the owner reaches the receiver.
+ranks keep it in their copy only. A received value is a tensor of its own: an edit on one stage
+that uses another stage's value sends no gradient back to that stage.
+
+Requests go in pipeline order - forward values by non-decreasing stage, gradients by
+non-increasing stage - and a request against that order raises ``OutOfOrderError`` on the ranks
+whose body reaches it; within one stage, only the owner can tell, when its forward of the
+microbatch ends. Every other rank learns of it as of any failure: a receive waits at most
+``config.failure_timeout`` seconds between checks of the job's failure key, and raises
+``RankFailedError`` once the owner has posted it.
 
 Gradients: torch's schedules backpropagate each microbatch's loss unscaled and divide the
 parameter gradients by the number of microbatches afterwards (``scale_grads``), so the body sees
@@ -218,6 +223,8 @@ class _PipelineRun:
                 yield
             finally:
                 session.microbatch = -1
+            if phase == "F":  # every module of this stage has run for the microbatch
+                self._event(("F-end", microbatch))
 
         def on_loss(microbatch, loss):
             if (self.loss_point, microbatch) in session.wanted:
@@ -228,7 +235,7 @@ class _PipelineRun:
 
     def _event(self, key) -> None:
         self.fired.add(key)
-        if key in self.waiting:
+        if key in self.waiting or key in self.session.wanted:
             self.session.fire(key, None)
 
     # -- the scheduler ----------------------------------------------------------------------
@@ -250,22 +257,27 @@ class _PipelineRun:
                     self._deliver(key, wake)
                     break
             else:
+                waiting = [b for b in bodies if id(b) in live]
                 if session.finished:
-                    for body in [b for b in bodies if id(b) in live]:
+                    for body in waiting:
                         body.remote_value = None  # what it waits for never comes: it raises
                         wake(body)
                     continue
                 for key in self.waiting:
                     session.wanted[key] = 1
+                for body in waiting:  # a local value may already have passed: notice when
+                    passed = _passed_at(body.pending)
+                    if passed is not None:
+                        session.wanted[passed] = 1
                 session.advance()
                 key = session.paused_key
                 if key is not None and key in self.waiting:
                     continue  # delivered at the top of the loop
-                for body in [b for b in bodies if id(b) in live]:
+                for body in waiting:
                     if _remote(body.pending):
                         continue  # woken only when its value is delivered
                     if body.stop is not None and body.pending is not None or \
-                            (session.finished and body.pending is not None):
+                            _passed_at(body.pending) == key:  # (it raises OutOfOrderError)
                         wake(body)
 
     def _deliver(self, key, wake) -> None:
@@ -294,6 +306,8 @@ class _PipelineRun:
             value = self._wait_remote(body, event, src, tag)
             self.remote[id(value)] = (value, stage)
             return Stop(("remote", tag), value, None, kind, 0, None)
+        if ("F-end", body.index) in self.fired:
+            raise OutOfOrderError(_passed(path, kind))
         module = engine.local[id(module)]
         point = session.points.get((id(module), kind))
         if point is None:
@@ -312,8 +326,9 @@ class _PipelineRun:
         if engine.my_stage != engine.last_stage:
             value = self._wait_remote(body, ("B", body.index), engine.rank_of_stage[engine.last_stage], tag)
         else:
-            stop = self.session.request(body, (self.loss_point, body.index),
-                                        lambda: "the microbatch's loss was requested too late")
+            if ("B", body.index) in self.fired:
+                raise OutOfOrderError(_LATE_LOSS)
+            stop = self.session.request(body, (self.loss_point, body.index), lambda: _LATE_LOSS)
             value = stop.view
             self._send(value, tag)
         body.loss = value
@@ -430,10 +445,26 @@ class _PipelineRun:
         finally:
             body.pending = None
         if body.remote_value is None:
-            raise TraceStateError(f"the pipeline step ended before stage {event} sent a value "
-                                  f"this body asked for.")
+            raise TraceStateError(f"the pipeline step ended before rank {src} sent a value this "
+                                  f"body asked for (microbatch {body.index}).")
         value, body.remote_value = body.remote_value, None
         return value
+
+
+_LATE_LOSS = ("tr.loss was requested after the last stage had started the microbatch's backward; "
+              "read tr.loss once, after the forward values and before the backward block.")
+
+
+def _passed_at(pending):
+    """The event after which a body waiting for ``pending`` (a local forward value or loss)
+    can no longer get it, or None."""
+    if isinstance(pending, tuple) and len(pending) == 2 and isinstance(pending[1], int):
+        point = pending[0]
+        if isinstance(point, LossPoint):
+            return ("B", pending[1])
+        if getattr(point, "kind", None) in ("output", "input"):
+            return ("F-end", pending[1])
+    return None
 
 
 def _remote(pending) -> bool:

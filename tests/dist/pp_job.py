@@ -109,6 +109,26 @@ def case_out_of_order(model, net, ctx):
         raise AssertionError("no OutOfOrderError")
 
 
+def case_late_read(model, net, ctx):
+    """A forward value read after its stage has run it for the microbatch (layers[0] after
+    layers[1]): its owner raises OutOfOrderError, and no rank waits for it forever."""
+    x, y = batch()
+    try:
+        with model.trace(x, target=y) as tr:
+            model.layers[1].output
+            model.layers[0].output
+            with tr.loss.backward():
+                pass
+    except distgrad.OutOfOrderError as exc:
+        if "forward order" not in str(exc):
+            raise
+    except distgrad.RankFailedError as exc:  # a rank waiting for the value hears of it
+        if "OutOfOrderError" not in str(exc):
+            raise
+    else:
+        raise AssertionError("no error")
+
+
 def case_failure(model, net, ctx):
     rank = ctx["rank"]
     x, y = batch()
@@ -138,7 +158,7 @@ def main():
     parser.add_argument("--schedule", required=True, choices=["gpipe", "1f1b"])
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", default="all", choices=["all", "failure"])
+    parser.add_argument("--cases", default="all", choices=["all", "failure", "late_read"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
@@ -162,7 +182,8 @@ def main():
     model = distgrad.wrap(schedule, full_model=net)
     ctx = {"rank": rank, "world": world, "m": args.microbatches}
     # each ends the job's group when it raises, so an error case runs last
-    cases = (case_read_edit, case_out_of_order) if args.cases == "all" else (case_failure,)
+    cases = {"all": (case_read_edit, case_out_of_order), "failure": (case_failure,),
+             "late_read": (case_late_read,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, ctx)
 
 

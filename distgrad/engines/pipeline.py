@@ -487,9 +487,10 @@ def _passed(path, kind):
 
 
 def _joined(names: list[str], bodies: list[Body], spaces: list[dict]) -> dict:
-    """Each saved name: the microbatches' values concatenated on dim 0 (0-dim: stacked); a list
-    or tuple of saved values comes back joined item by item."""
-    saved = {id(entry[0]) for body in bodies for entry in body.saves}
+    """Each saved name: the microbatches' values concatenated on the save's ``dim`` (0 by
+    default; 0-dim values are stacked); a list, tuple or dict of saved values comes back joined
+    item by item."""
+    saved = {id(entry[0]): entry[2] for body in bodies for entry in body.saves}
     out = {}
     for name in names:
         values = [space.get(name, _MISSING) for space in spaces]
@@ -502,14 +503,21 @@ def _joined(names: list[str], bodies: list[Body], spaces: list[dict]) -> dict:
 _MISSING = object()
 
 
-def _join(values: list, saved: set):
+def _join(values: list, saved: dict):
     first = values[0]
     if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and id(v) in saved
                                                for v in values):
+        dim = saved[id(first)]
         values = [v.detach() for v in values]
-        return torch.stack(values) if first.dim() == 0 else torch.cat(values)
+        return torch.stack(values) if first.dim() == 0 else torch.cat(values, dim=dim)
     if isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first)
                                                 for v in values):
         items = [_join([v[i] for v in values], saved) for i in range(len(first))]
         return _MISSING if any(i is _MISSING for i in items) else type(first)(items)
+    if isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys()
+                                       for v in values):
+        if all(id(v) in saved for v in values):  # distgrad.save(a_dict): its tensors, joined
+            saved = {**saved, **{id(t): saved[id(v)] for v in values for t in v.values()}}
+        items = {k: _join([v[k] for v in values], saved) for k in first}
+        return _MISSING if any(i is _MISSING for i in items.values()) else items
     return _MISSING

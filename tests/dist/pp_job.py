@@ -71,6 +71,8 @@ def case_read_edit(model, net, ctx):
         h1 = model.layers[1].output.save()
         model.layers[2].output = model.layers[2].output + h0   # applied by layer 2's stage
         h3 = model.layers[3].output.save()
+        wide = (h3 * 1).save(dim=1)                              # microbatches joined on dim 1
+        both = distgrad.save({"h3": h3, "h1": h1})              # a dict: joined per key
         loss = tr.loss.save()
         with tr.loss.backward():
             g3 = h3.grad.save()
@@ -80,6 +82,8 @@ def case_read_edit(model, net, ctx):
     close(h0, ref["h0"], "layers[0] output")
     close(h1, ref["h1"], "layers[1] output")
     close(h3, ref["h3"], "layers[3] output after the cross-stage edit")
+    close(wide, torch.cat(ref["h3"].chunk(m), dim=1), "a save joined on dim 1")
+    close(both["h1"], ref["h1"], "a saved dict's item")
     close(loss, ref["losses"], "per-microbatch losses")
     close(g3, ref["g3"] * m, "layers[3] gradient (each microbatch's own loss)")
     close(g1, ref["g1"] * m, "layers[1] gradient")

@@ -43,7 +43,6 @@ the gradient of its own microbatch's loss, as a data-parallel rank sees its own 
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
 
 import greenlet
 import torch
@@ -52,11 +51,9 @@ import torch.distributed as dist
 from .. import capture
 from ..errors import OutOfOrderError, TraceStateError
 from ..session import BODIES, Body, Session, Stop
-from .collective import _CODE, _DTYPES
 from .distributed import DistributedEngine
+from .pipeline_messages import Messages
 
-_HEAD = 12  # int64s: dtype code, requires_grad, ndim, shape (at most 9 dims)
-_INLINE = 16384  # bytes of a value that travel in the header's message
 
 
 class LossPoint:
@@ -171,7 +168,7 @@ class _PipelineRun:
         self.engine, self.trace = engine, trace
         self.waiting: dict = {}   # event key -> [(body, src rank, tag)]
         self.fired: set = set()   # event keys passed
-        self.sends: list = []
+        self.messages = Messages(engine)
         self.remote: dict = {}    # id(tensor) -> (tensor, stage) for values sent by another rank
         self.session = None
 
@@ -196,8 +193,7 @@ class _PipelineRun:
         try:
             self._schedule(bodies, glets)
             session.finish()  # the bodies are done; the step runs on with their last replies
-            for work in self.sends:
-                work.wait()
+            self.messages.finish()
         finally:
             restore()
             for glet in glets:
@@ -283,7 +279,7 @@ class _PipelineRun:
     def _deliver(self, key, wake) -> None:
         self.session.wanted.pop(key, None)
         for body, src, tag in self.waiting.pop(key):
-            body.remote_value = self._receive(src, tag)
+            body.remote_value = self.messages.receive(src, tag)
             wake(body)
 
     # -- what the body asks for ---------------------------------------------------------------
@@ -316,7 +312,7 @@ class _PipelineRun:
                 if engine.owns(outer._module):
                     session.module_point(engine.local[id(outer._module)], outer._path, "output")
         stop = session.request(body, (point, body.index), lambda: _passed(path, kind))
-        self._send(stop.view, tag)
+        self.messages.send(stop.view, tag)
         return stop
 
     def loss(self, body):
@@ -330,7 +326,7 @@ class _PipelineRun:
                 raise OutOfOrderError(_LATE_LOSS)
             stop = self.session.request(body, (self.loss_point, body.index), lambda: _LATE_LOSS)
             value = stop.view
-            self._send(value, tag)
+            self.messages.send(value, tag)
         body.loss = value
         return value
 
@@ -362,7 +358,7 @@ class _PipelineRun:
         stop = session.request(body, (point, point.calls), lambda: (
             f"{label}.grad was requested after this stage's backward had passed it; request "
             f"gradients in reverse-forward order."), tensor=tensor)
-        self._send(stop.view, tag)
+        self.messages.send(stop.view, tag)
         return stop
 
     def _in_order(self, body, stage: int, forward: bool, what: str) -> None:
@@ -378,65 +374,10 @@ class _PipelineRun:
         else:
             body.grad_stage = stage
 
-    # -- moving values ------------------------------------------------------------------------
-    def _send(self, value, tag: int) -> None:
-        """To every other rank: one message of a fixed size (header, and the bytes when they
-        fit: most values), then the bytes in a second message if they did not."""
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"distgrad sends only tensors between pipeline stages; this value is "
-                            f"a {type(value).__name__}. Read a tensor inside it on its stage.")
-        if value.dim() > _HEAD - 3:
-            raise ValueError(f"distgrad sends tensors of at most {_HEAD - 3} dimensions between "
-                             f"pipeline stages, not {value.dim()}.")
-        data = value.detach().contiguous()
-        nbytes = data.numel() * data.element_size()
-        first = torch.zeros(8 * _HEAD + _INLINE, dtype=torch.uint8)
-        head = first[: 8 * _HEAD].view(torch.int64)
-        head[:3] = torch.tensor([_CODE[data.dtype], int(value.requires_grad), data.dim()])
-        head[3: 3 + data.dim()] = torch.tensor(data.shape, dtype=torch.int64)
-        flat = data.reshape(-1).view(torch.uint8)
-        if nbytes <= _INLINE:
-            first[8 * _HEAD: 8 * _HEAD + nbytes] = flat
-        me, channel = dist.get_rank(), self.engine.channel
-        for dst in range(dist.get_world_size()):
-            if dst != me:
-                self.sends.append(dist.isend(first, dst, group=channel, tag=2 * tag))
-                if nbytes > _INLINE:
-                    self.sends.append(dist.isend(flat, dst, group=channel, tag=2 * tag + 1))
-        self.sends.append(_Keep(first, flat))
-
-    def _receive(self, src: int, tag: int) -> torch.Tensor:
-        first = torch.empty(8 * _HEAD + _INLINE, dtype=torch.uint8)
-        self._wait(dist.irecv(first, src, group=self.engine.channel, tag=2 * tag))
-        code, grad, ndim = first[: 8 * _HEAD].view(torch.int64)[:3].tolist()
-        shape = first[: 8 * _HEAD].view(torch.int64)[3: 3 + ndim].tolist()
-        dtype = _DTYPES[code]
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if nbytes <= _INLINE:
-            data = first[8 * _HEAD: 8 * _HEAD + nbytes].clone().view(dtype).view(shape)
-        else:
-            data = torch.empty(shape, dtype=dtype)
-            self._wait(dist.irecv(data.view(-1).view(torch.uint8), src,
-                                  group=self.engine.channel, tag=2 * tag + 1))
-        # a copy in a graph of its own: editable in place, and `with x.backward():` accepts it
-        return data.requires_grad_(True).clone() if grad else data
-
-    def _wait(self, work) -> None:
-        from ..backward import config
-        while True:
-            try:
-                if work.wait(timedelta(seconds=config.failure_timeout)):
-                    return
-            except RuntimeError as exc:
-                if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
-                    raise
-            found = self.engine._watch.read(self.engine._key_now())
-            if found is not None:
-                raise RuntimeError(f"Connection closed: {found[1]}")
-
+    # -- waiting for a value from another stage -------------------------------------------------
     def _wait_remote(self, body, event, src: int, tag: int):
         if event in self.fired:
-            return self._receive(src, tag)
+            return self.messages.receive(src, tag)
         self.waiting.setdefault(event, []).append((body, src, tag))
         body.pending = ("remote", tag)
         body.remote_value = None
@@ -469,16 +410,6 @@ def _passed_at(pending):
 
 def _remote(pending) -> bool:
     return isinstance(pending, tuple) and len(pending) == 2 and pending[0] == "remote"
-
-
-class _Keep:
-    """Holds a sent tensor alive until the sends complete."""
-
-    def __init__(self, *tensors):
-        self.tensors = tensors
-
-    def wait(self):
-        return True
 
 
 def _passed(path, kind):

@@ -30,26 +30,29 @@ class ModulePoint:
     def label(self) -> str:
         return f"{self.path}.{self.kind}"
 
-    def _call(self):
-        # A pipeline run names calls by microbatch (-1: a call outside the schedule's chunks,
-        # such as its shape inference, which no body asks for)
-        mb = self.session.microbatch
-        if mb is None:
+    # A pipeline run names calls by microbatch (session.microbatch; -1 outside the schedule's
+    # chunks, e.g. its shape inference, which no body asks for); otherwise calls are counted.
+    # Written out in both hooks: they run on every call of every hooked module.
+    def _on_output(self, module, args, output):
+        session = self.session
+        call = session.microbatch
+        if call is None:
             call = self.calls
             self.calls += 1
-            return call
-        return mb if mb >= 0 else None
-
-    def _on_output(self, module, args, output):
-        key = (self, self._call())
-        if key in self.session.wanted:
-            return self.session.fire(key, output)
+        key = (self, call)
+        if key in session.wanted:
+            return session.fire(key, output)
         return _NO_REPLY
 
     def _on_input(self, module, args, kwargs):
-        key = (self, self._call())
-        if key in self.session.wanted:
-            return self.session.fire(key, (args, kwargs))
+        session = self.session
+        call = session.microbatch
+        if call is None:
+            call = self.calls
+            self.calls += 1
+        key = (self, call)
+        if key in session.wanted:
+            return session.fire(key, (args, kwargs))
         return _NO_REPLY
 
     def remove(self):

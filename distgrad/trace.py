@@ -91,7 +91,7 @@ class Trace:
 
     def __exit__(self, exc_type, exc, tb):
         skipped = self.captured is not None and exc_type is capture.SkipBody
-        if skipped or (self.captured is not None and exc is None):
+        if skipped:
             exc = None  # the body was lifted out to run per microbatch
         error = exc
         try:

@@ -129,7 +129,7 @@ def _piece(full: torch.Tensor, mesh, placements) -> torch.Tensor:
 class TensorParallelViews:
     """Shows the body whole values and puts its replies back as shards (see the module text)."""
 
-    def __init__(self, model: torch.nn.Module, parallel: dict, shards: dict | None = None):
+    def __init__(self, parallel: dict, shards: dict | None = None):
         self.parallel = parallel
         self.mesh = next(iter(parallel.values()))[0]
         from torch.distributed.tensor import Shard
@@ -248,7 +248,7 @@ def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
             raise ValueError(f"distgrad.wrap(..., tp_shards={{{name!r}: {dim}}}): the model has "
                              f"no module {name!r}; use names as model.named_modules() gives "
                              f"them, e.g. 'model.layers.0'.") from None
-    views = TensorParallelViews(model, parallel, named)
+    views = TensorParallelViews(parallel, named)
     if isinstance(obj, DistributedDataParallel):
         from .ddp import DDPEngine
         engine = DDPEngine(obj)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 
 import torch.distributed as dist
@@ -17,6 +18,27 @@ def close(a, b, what: str, atol: float = ATOL) -> None:
     diff = (a - b).abs().max().item()
     if diff > atol:
         raise AssertionError(f"{what}: max abs diff {diff:.3g} > {atol}")
+
+
+def expect_failure_of_rank1(rank: int, run, must_say=("rank 1",), within: float = 30) -> None:
+    """``run()`` makes a trace whose body raises ZeroDivisionError on rank 1. Rank 1 must get
+    its own error; every other rank a RankFailedError saying ``must_say``, within ``within`` s."""
+    import distgrad
+    start = time.monotonic()
+    try:
+        run()
+    except ZeroDivisionError:
+        if rank != 1:
+            raise
+        return
+    except distgrad.RankFailedError as exc:
+        took = time.monotonic() - start
+        if rank == 1 or any(text not in str(exc) for text in must_say):
+            raise AssertionError(f"wrong failure report on rank {rank}: {exc}")
+        if took > within:
+            raise AssertionError(f"the failure took {took:.1f} s to arrive")
+        return
+    raise AssertionError("no error reached this rank")
 
 
 def run_cases(cases, out: str, rank: int, *args) -> dict:

@@ -13,13 +13,12 @@ import logging
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 import distgrad
-from cases import close, run_cases  # noqa: E402  (tests/dist is the script's folder)
+from cases import close, expect_failure_of_rank1, run_cases  # noqa: E402  (tests/dist is the script's folder)
 from distgrad.demo_parallel import _init, wrap_with_engine
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -199,8 +198,8 @@ def case_rank_dependent_save(model, wrapped, rank, world):
 def case_failure(model, wrapped, rank, world):
     """Rank 1 fails in the body before the backward; every rank must raise, none hang."""
     ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
-    start = time.monotonic()
-    try:
+
+    def run():
         with model.trace(ids):
             a1 = model.transformer.h[0].output
             loss = model.output.logits.sum()
@@ -208,18 +207,8 @@ def case_failure(model, wrapped, rank, world):
                 1 / 0
             with loss.backward():
                 a1.grad
-    except ZeroDivisionError:
-        if rank != 1:
-            raise
-        return
-    except distgrad.RankFailedError as exc:
-        took = time.monotonic() - start
-        if rank == 1 or "rank 1" not in str(exc) or "ZeroDivisionError" not in str(exc):
-            raise AssertionError(f"wrong failure report on rank {rank}: {exc}")
-        if took > 30:
-            raise AssertionError(f"the failure took {took:.1f} s to arrive")
-        return
-    raise AssertionError("no error reached this rank")
+
+    expect_failure_of_rank1(rank, run, must_say=("rank 1", "ZeroDivisionError"))
 
 
 def case_killed(model, wrapped, rank, world):

@@ -1,0 +1,308 @@
+"""One pipeline trace (see ``pipeline.py``): the schedule's step as the run, one body per
+microbatch as a coroutine of it, values of other stages received at the moments the module text
+of ``pipeline.py`` lists, and the saved names joined across microbatches at the end."""
+from __future__ import annotations
+
+import contextlib
+
+import greenlet
+import torch
+
+from .. import capture
+from ..errors import OutOfOrderError, TraceStateError
+from ..session import BODIES, Body, Session, Stop
+from .pipeline import LossPoint, PipelineEngine
+from .pipeline_messages import Messages
+
+
+class PipelineRun:
+    """One trace: the step as a run, one body per microbatch, remote values delivered."""
+
+    def __init__(self, engine: PipelineEngine, trace):
+        self.engine, self.trace = engine, trace
+        self.waiting: dict = {}   # event key -> [(body, src rank, tag)]
+        self.fired: set = set()   # event keys passed
+        self.messages = Messages(engine)
+        self.remote: dict = {}    # id(tensor) -> (tensor, stage) for values sent by another rank
+        self.session = None
+
+    # -- the trace --------------------------------------------------------------------------
+    def run(self, code, names, frame) -> None:
+        engine, trace = self.engine, self.trace
+        args, kwargs = trace.raw_inputs
+        n = engine.microbatches()
+        scheduler = greenlet.getcurrent()
+        bodies = [Body(trace, index=m, scheduler=scheduler) for m in range(n)]
+        for body in bodies:
+            body.seq, body.last_stage = 0, -1
+        self.session = session = Session("forward", lambda: engine.run_step(args, kwargs), bodies)
+        trace.pipeline = self
+        spaces = [{**frame.f_globals, **frame.f_locals} for _ in bodies]
+        glets = []
+        for body, space in zip(bodies, spaces):
+            glet = greenlet.greenlet(lambda space=space: exec(code, space))
+            BODIES[glet] = body
+            glets.append(glet)
+        restore = self._instrument()
+        try:
+            self._schedule(bodies, glets)
+            session.finish()  # the bodies are done; the step runs on with their last replies
+            self.messages.finish()
+        finally:
+            restore()
+            for glet in glets:
+                BODIES.pop(glet, None)
+                if glet and not glet.dead:
+                    glet.throw(greenlet.GreenletExit)
+            if not session.finished:
+                session.abort()
+            session.close()
+            trace.pipeline = None
+        capture.write_back(frame, _joined(names, bodies, spaces))
+
+    def _instrument(self):
+        """Mark each chunk with its microbatch and phase, and catch each microbatch's loss."""
+        session = self.session
+        self.loss_point = LossPoint()
+
+        @contextlib.contextmanager
+        def on_chunk(phase, microbatch):
+            self._event((phase, microbatch))
+            session.microbatch = microbatch if phase == "F" else -1
+            try:
+                yield
+            finally:
+                session.microbatch = -1
+            if phase == "F":  # every module of this stage has run for the microbatch
+                self._event(("F-end", microbatch))
+
+        def on_loss(microbatch, loss):
+            if (self.loss_point, microbatch) in session.wanted:
+                session.fire((self.loss_point, microbatch), loss)
+
+        session.microbatch = -1
+        return self.engine.instrument(on_chunk, on_loss)
+
+    def _event(self, key) -> None:
+        self.fired.add(key)
+        if key in self.waiting or key in self.session.wanted:
+            self.session.fire(key, None)
+
+    # -- the scheduler ----------------------------------------------------------------------
+    def _schedule(self, bodies, glets) -> None:
+        live = dict(zip(map(id, bodies), glets))
+        session = self.session
+
+        def wake(body):
+            glet = live[id(body)]
+            glet.switch()
+            if glet.dead:
+                live.pop(id(body))
+
+        for body in bodies:
+            wake(body)
+        while live:
+            for key, waiters in list(self.waiting.items()):
+                if key in self.fired or (key == "end" and session.finished):
+                    self._deliver(key, wake)
+                    break
+            else:
+                waiting = [b for b in bodies if id(b) in live]
+                if session.finished:
+                    for body in waiting:
+                        body.remote_value = None  # what it waits for never comes: it raises
+                        wake(body)
+                    continue
+                for key in self.waiting:
+                    session.wanted[key] = 1
+                for body in waiting:  # a local value may already have passed: notice when
+                    passed = _passed_at(body.pending)
+                    if passed is not None:
+                        session.wanted[passed] = 1
+                session.advance()
+                key = session.paused_key
+                if key is not None and key in self.waiting:
+                    continue  # delivered at the top of the loop
+                for body in waiting:
+                    if _remote(body.pending):
+                        continue  # woken only when its value is delivered
+                    if body.stop is not None and body.pending is not None or \
+                            _passed_at(body.pending) == key:  # (it raises OutOfOrderError)
+                        wake(body)
+
+    def _deliver(self, key, wake) -> None:
+        self.session.wanted.pop(key, None)
+        for body, src, tag in self.waiting.pop(key):
+            body.remote_value = self.messages.receive(src, tag)
+            wake(body)
+
+    # -- what the body asks for ---------------------------------------------------------------
+    def module_value(self, body, envoy, kind: str):
+        engine, session = self.engine, self.session
+        module, path = envoy._module, envoy._path
+        stage = engine.stage_of(module)
+        if stage is None:
+            raise TraceStateError(f"{path}.{kind}: no pipeline stage runs {path} itself (a "
+                                  f"container, or the whole model); name one of its layers.")
+        if body.block is not None:
+            raise OutOfOrderError(f"{path}.{kind} was requested inside the backward block; "
+                                  f"read forward values before `with tr.loss.backward():`.")
+        self._in_order(body, stage, forward=True, what=f"{path}.{kind}")
+        body.seq += 1
+        tag = body.index * 100_000 + body.seq
+        if stage != engine.my_stage:
+            src = engine.rank_of_stage[stage]
+            event = ("F", body.index) if stage < engine.my_stage else ("B", body.index)
+            value = self._wait_remote(body, event, src, tag)
+            self.remote[id(value)] = (value, stage)
+            return Stop(("remote", tag), value, None, kind, 0, None)
+        if ("F-end", body.index) in self.fired:
+            raise OutOfOrderError(_passed(path, kind))
+        module = engine.local[id(module)]
+        point = session.points.get((id(module), kind))
+        if point is None:
+            point = session.module_point(module, path, kind)
+            for outer in envoy._ancestors():
+                if engine.owns(outer._module):
+                    session.module_point(engine.local[id(outer._module)], outer._path, "output")
+        stop = session.request(body, (point, body.index), lambda: _passed(path, kind))
+        self.messages.send(stop.view, tag)
+        return stop
+
+    def loss(self, body):
+        engine = self.engine
+        body.seq += 1
+        tag = body.index * 100_000 + body.seq
+        if engine.my_stage != engine.last_stage:
+            value = self._wait_remote(body, ("B", body.index), engine.rank_of_stage[engine.last_stage], tag)
+        else:
+            if ("B", body.index) in self.fired:
+                raise OutOfOrderError(_LATE_LOSS)
+            stop = self.session.request(body, (self.loss_point, body.index), lambda: _LATE_LOSS)
+            value = stop.view
+            self.messages.send(value, tag)
+        body.loss = value
+        return value
+
+    def backward_block(self, body, block) -> None:
+        if block.tensor is not getattr(body, "loss", None):
+            raise TraceStateError("in a pipeline trace the schedule runs the backward of its own "
+                                  "loss: open the block with `with tr.loss.backward():`.")
+        body.block = block
+
+    def grad(self, body, tensor):
+        engine, session = self.engine, self.session
+        label = body.label_of(tensor)
+        entry = self.remote.get(id(tensor))
+        stage = entry[1] if entry is not None and entry[0] is tensor else engine.my_stage
+        self._in_order(body, stage, forward=False, what=f"{label}.grad")
+        body.seq += 1
+        tag = body.index * 100_000 + body.seq
+        if stage != engine.my_stage:
+            event = ("B", body.index) if stage > engine.my_stage else "end"
+            value = self._wait_remote(body, event, engine.rank_of_stage[stage], tag)
+            # the body is "at" this gradient now, as its owner is: `t.grad = t.grad * 2` reads
+            # and writes this one stop on every rank alike
+            body.stop = Stop(("remote", tag), value, None, "grad", 0, None, tensor)
+            return body.stop
+        if not tensor.requires_grad:
+            raise ValueError(f"{label}.grad: no gradient flows into it, because it does not "
+                             f"require grad.")
+        point = session.grad_point(tensor)
+        stop = session.request(body, (point, point.calls), lambda: (
+            f"{label}.grad was requested after this stage's backward had passed it; request "
+            f"gradients in reverse-forward order."), tensor=tensor)
+        self.messages.send(stop.view, tag)
+        return stop
+
+    def _in_order(self, body, stage: int, forward: bool, what: str) -> None:
+        last = body.last_stage
+        if forward and stage < last or not forward and body.block is not None and \
+                getattr(body, "grad_stage", None) is not None and stage > body.grad_stage:
+            raise OutOfOrderError(
+                f"{what} was requested after a value of stage {last if forward else body.grad_stage}; "
+                f"in a pipeline, forward values come stage by stage (0 first) and gradients in "
+                f"reverse (last stage first).")
+        if forward:
+            body.last_stage = stage
+        else:
+            body.grad_stage = stage
+
+    # -- waiting for a value from another stage -------------------------------------------------
+    def _wait_remote(self, body, event, src: int, tag: int):
+        if event in self.fired:
+            return self.messages.receive(src, tag)
+        self.waiting.setdefault(event, []).append((body, src, tag))
+        body.pending = ("remote", tag)
+        body.remote_value = None
+        try:
+            body.scheduler.switch()
+        finally:
+            body.pending = None
+        if body.remote_value is None:
+            raise TraceStateError(f"the pipeline step ended before rank {src} sent a value this "
+                                  f"body asked for (microbatch {body.index}).")
+        value, body.remote_value = body.remote_value, None
+        return value
+
+
+_LATE_LOSS = ("tr.loss was requested after the last stage had started the microbatch's backward; "
+              "read tr.loss once, after the forward values and before the backward block.")
+
+
+def _passed_at(pending):
+    """The event after which a body waiting for ``pending`` (a local forward value or loss)
+    can no longer get it, or None."""
+    if isinstance(pending, tuple) and len(pending) == 2 and isinstance(pending[1], int):
+        point = pending[0]
+        if isinstance(point, LossPoint):
+            return ("B", pending[1])
+        if getattr(point, "kind", None) in ("output", "input"):
+            return ("F-end", pending[1])
+    return None
+
+
+def _remote(pending) -> bool:
+    return isinstance(pending, tuple) and len(pending) == 2 and pending[0] == "remote"
+
+
+def _passed(path, kind):
+    return (f"{path}.{kind} was requested after this stage had run it for the microbatch; read "
+            f"module values in forward order.")
+
+
+def _joined(names: list[str], bodies: list[Body], spaces: list[dict]) -> dict:
+    """Each saved name: the microbatches' values concatenated on the save's ``dim`` (0 by
+    default; 0-dim values are stacked); a list, tuple or dict of saved values comes back joined
+    item by item."""
+    saved = {id(entry[0]): entry[2] for body in bodies for entry in body.saves}
+    out = {}
+    for name in names:
+        values = [space.get(name, _MISSING) for space in spaces]
+        joined = _join(values, saved)
+        out[name] = joined if joined is not _MISSING else capture.NotSaved(
+            name, "in the body of a pipeline trace (it runs once per microbatch)")
+    return out
+
+
+_MISSING = object()
+
+
+def _join(values: list, saved: dict):
+    first = values[0]
+    if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and id(v) in saved
+                                               for v in values):
+        dim = saved[id(first)]
+        values = [v.detach() for v in values]
+        return torch.stack(values) if first.dim() == 0 else torch.cat(values, dim=dim)
+    if isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first)
+                                                for v in values):
+        items = [_join([v[i] for v in values], saved) for i in range(len(first))]
+        return _MISSING if any(i is _MISSING for i in items) else type(first)(items)
+    if isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys()
+                                       for v in values):
+        if all(id(v) in saved for v in values):  # distgrad.save(a_dict): its tensors, joined
+            saved = {**saved, **{id(t): saved[id(v)] for v in values for t in v.values()}}
+        items = {k: _join([v[k] for v in values], saved) for k in first}
+        return _MISSING if any(i is _MISSING for i in items.values()) else items
+    return _MISSING

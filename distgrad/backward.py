@@ -196,7 +196,7 @@ def read_grad(body: Body, tensor: torch.Tensor):
 
 
 def write_grad(body: Body, tensor: torch.Tensor, value) -> None:
-    grad_stop(body, tensor).replace(value, body.label_of(tensor) + ".grad")
+    grad_stop(body, tensor).replace(value, lambda: body.label_of(tensor) + ".grad")
 
 
 def grad_stop(body: Body, tensor: torch.Tensor):

@@ -15,7 +15,10 @@ from .session import _UNSET, current_body
 
 
 class Envoy:
-    __slots__ = ("_module", "_path", "_children", "_call", "_parent", "_engine", "_local")
+    # __dict__ holds child envoys by attribute name once looked up, so that `model.transformer`
+    # is a plain attribute read the second time (no __getattr__ call).
+    __slots__ = ("_module", "_path", "_children", "_call", "_parent", "_engine", "_local",
+                 "__dict__")
 
     def __init__(self, module: torch.nn.Module, path: str, call: int | None = None,
                  parent: "Envoy | None" = None, engine=None):
@@ -43,6 +46,7 @@ class Envoy:
         sub = module._modules.get(name)
         if sub is not None:
             envoy = children[name] = Envoy(sub, f"{self._path}.{name}", parent=self)
+            self.__dict__[name] = envoy
             return envoy
         try:
             value = getattr(module, name)
@@ -60,12 +64,13 @@ class Envoy:
                              f"attribute {name!r}.{hint} Its submodules: {listing}.")
 
     def __getitem__(self, key):
+        envoy = self._children.get(key)
+        if envoy is not None:
+            return envoy
         module = self._module
         if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
             raise TypeError(f"{self._path} ({type(module).__name__}) cannot be indexed; only "
                             "ModuleList, Sequential and ModuleDict can.")
-        if key in self._children:
-            return self._children[key]
         try:
             sub = module[key]
         except (IndexError, KeyError):
@@ -122,14 +127,14 @@ class Envoy:
         Assign to replace it for everything downstream."""
         body, stop = self._stop("output")
         value = stop.replacement if stop.replacement is not _UNSET else stop.view
-        body.remember(value, f"{self._path}.output")
+        body.remember(value, self._path, ".output")
         return value
 
     @output.setter
     def output(self, value):
         body, stop = self._stop("output")
         stop.replace(value, f"{self._path}.output")
-        body.remember(value, f"{self._path}.output")
+        body.remember(value, self._path, ".output")
 
     @property
     def inputs(self):
@@ -150,7 +155,7 @@ class Envoy:
         body, stop = self._stop("input")
         args, kwargs = stop.replacement if stop.replacement is not _UNSET else stop.view
         value = _first(args, kwargs, self._path)
-        body.remember(value, f"{self._path}.input")
+        body.remember(value, self._path, ".input")
         return value
 
     @input.setter
@@ -164,7 +169,7 @@ class Envoy:
             stop.replace(((), {**kwargs, first: value}), f"{self._path}.input")
         else:
             raise TraceStateError(f"{self._path}.input = ...: this call has no arguments.")
-        body.remember(value, f"{self._path}.input")
+        body.remember(value, self._path, ".input")
 
     def __setattr__(self, name, value):
         if name in ("output", "input", "inputs"):

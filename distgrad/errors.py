@@ -31,8 +31,14 @@ def describe_tensor(t: torch.Tensor) -> str:
     return f"tensor of shape {list(t.shape)} ({fn}, {t.dtype}, {t.device})"
 
 
-def check_replacement_grad(label: str, old: torch.Tensor, new) -> None:
-    """Refuse a replacement gradient that autograd would reject later with a vaguer message."""
+def check_replacement_grad(label, old: torch.Tensor, new) -> None:
+    """Refuse a replacement gradient that autograd would reject later with a vaguer message.
+    ``label`` is the name the user wrote (``a1.grad``), or a function that words it."""
+    if (isinstance(new, torch.Tensor) and new.shape == old.shape and new.dtype == old.dtype
+            and new.device == old.device):
+        return
+    if callable(label):
+        label = label()
     if not isinstance(new, torch.Tensor):
         raise TypeError(f"{label} = ... needs a torch.Tensor, got {type(new).__name__}. "
                         f"Build the replacement from the gradient, e.g. {label} = {label} * 2.")

@@ -7,9 +7,26 @@ stops the run only when some body waits for exactly that key.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
+from torch.utils.hooks import RemovableHandle
 
 _NO_REPLY = None
+_Tensor = torch.Tensor
+
+
+def _new_hook_id() -> int:
+    # The counter torch's own handles draw from, so an id never collides with a user's hook.
+    hid = RemovableHandle.next_id
+    RemovableHandle.next_id = hid + 1
+    return hid
+
+
+# Why not register_forward_hook / register_hook: each builds a RemovableHandle (a weakref per
+# dict, an id, a closure) and removing it walks those again - about a third of what one
+# `.output` or `.grad` read cost. A point needs only its entry in the hook dict PyTorch reads,
+# so it writes that entry itself (as those methods do) and deletes it when its session closes.
 
 
 class ModulePoint:
@@ -21,14 +38,26 @@ class ModulePoint:
         self.path = path
         self.kind = kind  # "input" or "output"
         self.calls = 0
+        self.hid = _new_hook_id()
         if kind == "output":
-            self.handle = module.register_forward_hook(self._on_output)
+            self.hooks = module._forward_hooks
+            self.hooks[self.hid] = self._on_output
         else:
-            self.handle = module.register_forward_pre_hook(self._on_input, with_kwargs=True)
+            self.hooks = module._forward_pre_hooks
+            self.hooks[self.hid] = self._on_input
+            module._forward_pre_hooks_with_kwargs[self.hid] = True
 
     @property
     def label(self) -> str:
         return f"{self.path}.{self.kind}"
+
+    def passed(self) -> str:
+        """The message for a request of this point after the run went past it."""
+        return (f"{self.path}.{self.kind} was requested after the run had passed it: the forward "
+                f"finished without another call of {self.path} after the point where you asked "
+                f"(it ran {self.calls} time(s) since the trace first named it). Read module "
+                f"values in the order the forward computes them, or use {self.path}.call(i) for "
+                f"the i-th call.")
 
     # A pipeline run names calls by microbatch (session.microbatch; -1 outside the schedule's
     # chunks, e.g. its shape inference, which no body asks for); otherwise calls are counted.
@@ -56,19 +85,35 @@ class ModulePoint:
         return _NO_REPLY
 
     def remove(self):
-        self.handle.remove()
+        self.hooks.pop(self.hid, None)
+        if self.kind == "input":
+            self.module._forward_pre_hooks_with_kwargs.pop(self.hid, None)
 
 
 class GradPoint:
     """The gradient flowing into one tensor during a backward block (a tensor hook)."""
+
+    kind = "grad"
 
     def __init__(self, session, tensor: torch.Tensor):
         self.session = session
         self.calls = 0
         self.split = None  # how the gradient is sharded (tensor parallel), to show it whole
         # A hook on the tensor itself: fires with the gradient w.r.t. exactly this tensor, and
-        # what it returns replaces that gradient for everything upstream.
-        self.handle = tensor.register_hook(self._on_grad)
+        # what it returns replaces that gradient for everything upstream. A plain tensor gets
+        # the entry Tensor.register_hook would write; a subclass (DTensor) its own method.
+        if tensor.__class__ is _Tensor:
+            hooks = tensor._backward_hooks
+            if hooks is None:
+                hooks = tensor._backward_hooks = OrderedDict()
+                if tensor.grad_fn is not None:
+                    tensor.grad_fn._register_hook_dict(tensor)
+            self.hooks, self.hid = hooks, _new_hook_id()
+            hooks[self.hid] = self._on_grad
+            self.handle = None
+        else:
+            self.hooks = None
+            self.handle = tensor.register_hook(self._on_grad)
 
     def _on_grad(self, grad):
         call = self.calls
@@ -79,4 +124,7 @@ class GradPoint:
         return _NO_REPLY
 
     def remove(self):
-        self.handle.remove()
+        if self.hooks is not None:
+            self.hooks.pop(self.hid, None)
+        else:
+            self.handle.remove()

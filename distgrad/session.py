@@ -34,9 +34,9 @@ class Body:
         self.index = index          # invoke number, for messages
         self.scheduler = scheduler  # greenlet to yield to (invoke bodies); None: drive the run
         self.pending = None         # key (point, call) this body waits for
-        self.pending_rows = rows    # rows of that key's value it will see
-        self.pending_tensor = None  # for a gradient key: the tensor whose .grad the body wants
-        self.pending_local = False  # asked through `.local`: this rank's shard, as it is
+        # How it wants that value: (rows it will see, for a gradient key the tensor whose .grad
+        # it asked for, whether it asked through `.local` - this rank's shard as it is).
+        self.asked = (rows, None, False)
         self.stop = None            # Stop: where the run is paused for this body
         self.block = None           # the open BackwardTracer, if any
         self.saves: list = []
@@ -44,27 +44,32 @@ class Body:
 
     def label_of(self, tensor) -> str:
         entry = self.labels.get(id(tensor))
-        return entry[1] if entry is not None and entry[0] is tensor else describe_tensor(tensor)
+        if entry is None or entry[0] is not tensor:
+            return describe_tensor(tensor)
+        return entry[1] + entry[2]
 
-    def remember(self, value, label: str) -> None:
-        """Name the tensors in a value handed to the body, for error messages."""
+    def remember(self, value, path: str, kind: str) -> None:
+        """Name the tensors in a value handed to the body, for error messages. The label is
+        kept in pieces (``path``, ``".output"``) and joined only when a message needs it."""
         if isinstance(value, torch.Tensor):
-            self.labels[id(value)] = (value, label)
+            self.labels[id(value)] = (value, path, kind)
         elif isinstance(value, dict):  # ModelOutput too: model.output.logits
             for key, item in value.items():
                 if isinstance(item, torch.Tensor):
-                    self.labels[id(item)] = (item, f"{label}.{key}")
+                    self.labels[id(item)] = (item, path, f"{kind}.{key}")
         elif isinstance(value, (tuple, list)):
             for i, item in enumerate(value):
                 if isinstance(item, torch.Tensor):
-                    self.labels[id(item)] = (item, f"{label}[{i}]")
+                    self.labels[id(item)] = (item, path, f"{kind}[{i}]")
 
 
 class Stop:
     """One body's view of the point the run is paused at, and what the body put there."""
 
+    __slots__ = ("key", "tensor", "kind", "rows", "view", "version", "replacement", "local")
+
     def __init__(self, key, value, rows, kind: str, size: int, slices: dict | None,
-                 tensor=None):
+                 tensor=None, local: bool = False):
         self.key = key
         self.tensor = tensor  # whose .grad this is, as the body named it
         self.kind = kind
@@ -77,12 +82,13 @@ class Stop:
             self.version = view._version
         self.view = view
         self.replacement = _UNSET
-        self.local = False  # asked for through `.local` (this rank's shard as it is)
+        self.local = local  # asked for through `.local` (this rank's shard as it is)
 
     def value(self):
         return self.view if self.replacement is _UNSET else self.replacement
 
-    def replace(self, value, label: str) -> None:
+    def replace(self, value, label) -> None:
+        """``label``: the name the user wrote, or a function that words it (error paths only)."""
         if self.kind == "grad":
             check_replacement_grad(label, self.view, value)
         self.replacement = value
@@ -118,6 +124,7 @@ class Session:
         self.paused_token = None    # what views.show returned for the paused value
         self.paused_key = None      # the key the run is paused at
         self.microbatch = None      # under a pipeline schedule: the microbatch now running
+        self.covered: set = set()   # ids of modules whose enclosing modules have output points
         self.finished = False
 
     # -- points ---------------------------------------------------------------------------
@@ -140,16 +147,17 @@ class Session:
     # -- the body side --------------------------------------------------------------------
     def request(self, body: Body, key, passed_message, rows=_UNSET, tensor=None,
                 local: bool = False) -> Stop:
-        """Stop where ``key`` fires and return the body's view of it (its ``rows`` of it)."""
-        if body.stop is not None and body.stop.key == key:
-            return body.stop
+        """Stop where ``key`` fires and return the body's view of it (its ``rows`` of it).
+        ``passed_message()`` words the error if the run goes past ``key`` instead."""
+        stop = body.stop
+        if stop is not None and stop.key == key:
+            return stop
         if self.finished:
             raise _passed(passed_message)
         body.pending = key
-        body.pending_rows = body.rows if rows is _UNSET else rows
-        body.pending_tensor = tensor
-        body.pending_local = local
-        self.wanted[key] = self.wanted.get(key, 0) + 1
+        body.asked = (body.rows if rows is _UNSET else rows, tensor, local)
+        wanted = self.wanted
+        wanted[key] = wanted.get(key, 0) + 1
         try:
             if body.scheduler is None:
                 self.advance()
@@ -157,28 +165,28 @@ class Session:
                 body.scheduler.switch()
         finally:
             body.pending = None
-            left = self.wanted.pop(key) - 1
+            left = wanted.pop(key) - 1
             if left:
-                self.wanted[key] = left
-        if body.stop is not None and body.stop.key == key:
-            return body.stop
+                wanted[key] = left
+        stop = body.stop
+        if stop is not None and stop.key == key:
+            return stop
         raise _passed(passed_message)
 
     def advance(self) -> None:
         """Resume the run with the bodies' replies until it pauses at a wanted key or ends."""
-        reply = self._reply()
-        event = self.run.resume(reply)
+        event = self.run.resume(self._reply())
         if event[0] == "point":
             _, key, value = event
             self.paused_key = key
             if self.views is not None:
                 value, self.paused_token = self._show(key, value)
             self.paused_value = value
+            kind = key[0].kind
             for body in self.bodies:
                 if body.pending == key:
-                    body.stop = Stop(key, value, body.pending_rows, self.kind_of(key), self.size,
-                                     self.slices, body.pending_tensor)
-                    body.stop.local = body.pending_local
+                    rows, tensor, local = body.asked
+                    body.stop = Stop(key, value, rows, kind, self.size, self.slices, tensor, local)
                     self.served.append(body)
             return
         self.finished = True
@@ -205,8 +213,7 @@ class Session:
 
     @staticmethod
     def kind_of(key) -> str:
-        point = key[0]
-        return "grad" if isinstance(point, GradPoint) else point.kind
+        return key[0].kind
 
     def _show(self, key, value):
         point = key[0]
@@ -215,13 +222,23 @@ class Session:
                 return value, None
             whole, split = self.views.show_grad(point.split, value)
             return whole, ("grad", split)
-        if all(b.pending_local for b in self.bodies if b.pending == key):
+        if all(b.asked[2] for b in self.bodies if b.pending == key):
             return value, None
         whole, token = self.views.show(point.kind, point.module, value, point.label)
         return whole, (None if token is None else ("value", token))
 
     def _reply(self):
-        served, self.served = self.served, []
+        served = self.served
+        if not served and self.paused_token is None:
+            return None
+        self.served = []
+        if len(served) == 1 and self.paused_token is None:  # one body, whole value: common case
+            body = served[0]
+            stop = body.stop
+            if stop.rows is None:
+                body.stop = None
+                self.paused_value = None
+                return stop.reply()
         token, self.paused_token = self.paused_token, None
         reply = self._merged_reply(served)
         if token is None:

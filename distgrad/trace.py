@@ -185,29 +185,19 @@ class Trace:
         if self.pipeline is not None:
             return self.pipeline.module_value(body, envoy, kind)
         module, call = envoy._module, envoy._call
-        path = envoy._path if call is None else envoy._path.rsplit(".call(", 1)[0]
-        if envoy._local and path.endswith(".local"):
-            path = path[: -len(".local")]
-        session = self.forward if body.rows is not None else self.forward_session()
+        session = self.forward if body.rows is not None else (self.forward or self.forward_session())
         if body.block is not None or (session is not None and session.finished):
             raise OutOfOrderError(
-                f"{path}.{kind} was requested after the forward had finished. Read forward "
-                f"values before `with loss.backward():` and keep them in variables.")
+                f"{_plain_path(envoy)}.{kind} was requested after the forward had finished. Read "
+                f"forward values before `with loss.backward():` and keep them in variables.")
         point = session.points.get((id(module), kind))
         if point is None:
-            point = session.module_point(module, path, kind)
-            # PyTorch decides at the start of a module's call whether to run its forward hooks;
-            # a module with no hook then never sees one added mid-call. Giving every enclosing
-            # module a (counting, silent) output point before the run enters it keeps
-            # `model.output` and other enclosing outputs reachable later in the body.
-            for outer in envoy._ancestors():
-                if not isinstance(outer._module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-                    session.module_point(outer._module, outer._path, "output")
-            session.module_point(self.engine.root, "model", "output")
+            point = self._new_point(session, envoy, kind)
         if call is None:
             stop = body.stop
             if stop is not None and stop.key[0] is point:
                 if stop.local != envoy._local:
+                    path = point.path
                     raise TraceStateError(
                         f"{path}.{kind} and {path}.local.{kind} name one value in two forms "
                         f"(whole and this rank's shard); read one of them per call.")
@@ -215,15 +205,35 @@ class Trace:
             call = point.calls
         elif call < point.calls and not (body.stop is not None and body.stop.key == (point, call)):
             raise OutOfOrderError(
-                f"{path}.{kind} (call {call}) was requested after the run had already passed it "
-                f"(the module has run {point.calls} time(s) since the trace first named it). "
-                f"Name repeated modules before the forward reaches them.")
-        return session.request(body, (point, call), lambda: _passed(path, kind, point),
-                               local=envoy._local)
+                f"{point.path}.{kind} (call {call}) was requested after the run had already "
+                f"passed it (the module has run {point.calls} time(s) since the trace first named "
+                f"it). Name repeated modules before the forward reaches them.")
+        return session.request(body, (point, call), point.passed, local=envoy._local)
+
+    def _new_point(self, session: Session, envoy: Envoy, kind: str):
+        point = session.module_point(envoy._module, _plain_path(envoy), kind)
+        # PyTorch decides at the start of a module's call whether to run its forward hooks; a
+        # module with no hook then never sees one added mid-call. Giving every enclosing module
+        # a (counting, silent) output point before the run enters it keeps `model.output` and
+        # other enclosing outputs reachable later in the body. The walk stops at the first
+        # ancestor already covered in this session.
+        covered = session.covered
+        if not covered:
+            session.module_point(self.engine.root, "model", "output")
+        for outer in envoy._ancestors():
+            if id(outer._module) in covered:
+                break
+            covered.add(id(outer._module))
+            if not isinstance(outer._module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                session.module_point(outer._module, outer._path, "output")
+        return point
 
 
-def _passed(path: str, kind: str, point) -> str:
-    return (f"{path}.{kind} was requested after the run had passed it: the forward finished "
-            f"without another call of {path} after the point where you asked (it ran "
-            f"{point.calls} time(s) since the trace first named it). Read module values in the "
-            f"order the forward computes them, or use {path}.call(i) for the i-th call.")
+def _plain_path(envoy: Envoy) -> str:
+    """The envoy's path without the ``.call(i)`` / ``.local`` it was addressed through."""
+    path = envoy._path
+    if envoy._call is not None:
+        path = path.rsplit(".call(", 1)[0]
+    if envoy._local and path.endswith(".local"):
+        path = path[: -len(".local")]
+    return path

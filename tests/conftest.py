@@ -120,4 +120,7 @@ def reference(net, inputs: dict | torch.Tensor, module, edit=None, loss_fn=None)
 
 
 def hook_count(net) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules())
+    """Every module hook entry PyTorch keeps (distgrad writes these dicts directly)."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._forward_hooks_with_kwargs)
+               + len(m._forward_pre_hooks_with_kwargs) + len(m._forward_hooks_always_called)
+               for m in net.modules())

@@ -21,12 +21,14 @@ def _clean(net):
 
 def _step(model, x, edit=True):
     with model.trace(x):
+        model[2].input  # a pre-hook point (with kwargs) too
         h = model[2].output
         out = model.output
         with out.sum().backward():
             g = h.grad.save()
             if edit:
                 h.grad = h.grad * 2
+    assert not h._backward_hooks  # the gradient point's tensor-hook entry is gone
     return g
 
 

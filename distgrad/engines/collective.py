@@ -1,17 +1,18 @@
 """Moving saved values to rank 0 in one collective, whatever their number.
 
-Every rank packs, into one byte buffer, a header, the shape/dtype of each saved tensor and all
-their bytes, and the ranks ``all_gather`` those buffers. ``all_gather`` needs one size on every
-rank, so buffers are padded to a capacity the ranks agreed on in an earlier trace; a rank whose
-saves do not fit sends only its header with the size it needs, every rank sees that, and the
-ranks repeat once with the larger capacity. In a training loop with fixed shapes every trace
-after the first costs exactly one collective, for S saved tensors as for one, and ranks may save
-tensors of different sizes on the joined dimension (an uneven last batch).
+Every rank packs one byte buffer: a header, the bytes of every saved tensor, and (only when its
+layout, the saves' shapes/dtypes/modes/dims, differs from its previous trace) that layout. The
+ranks ``all_gather`` those buffers. ``all_gather`` needs one size on every rank, so buffers have
+a capacity the ranks agreed on in an earlier trace; a rank whose saves do not fit sends only its
+header with the size it needs, every rank sees that, and the ranks repeat once with the larger
+capacity. Ranks may save tensors of different sizes on the joined dimension (an uneven last
+batch). In a training loop with fixed shapes every trace after the first costs one collective of
+exactly the saved bytes plus 40, for S saved tensors as for one.
 
-Unpacking is planned once per layout (the ranks' shapes and dtypes) and cached: one
-``index_select`` puts every tensor's parts from all ranks next to each other, and one
-``unflatten_dense_tensors`` cuts the result into the global tensors, so the cost of a trace does
-not grow with the number of saves beyond one attribute assignment each.
+The cost that is left grows with S only by what Python must do per tensor (about 2 us: read
+its shape, hand it to one packing call, get a view back from one unpacking call, rebind the
+user's tensor); packing and unpacking are single C++ calls for the common case of S saves of one
+shape and dtype, and everything else is planned once per layout and cached.
 """
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
 _CODE = {dtype: i for i, dtype in enumerate(_DTYPES)}
 _MODES = ("rank0", "all")
-_HEADER = 5  # int64s: fits (1 or 0), number of tensors, bytes needed in all, metadata length,
-            # same layout as this rank's previous trace (1 or 0)
+# int64s: fits (1 or 0), number of tensors, bytes needed in all, layout length (0 when the
+# layout is that of this rank's previous trace), same layout as before (1 or 0)
+_HEADER = 5
+_START = 8 * _HEADER  # payload offset: 8-byte aligned, so every dtype views in place
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_flatten = torch._C._nn.flatten_dense_tensors
-_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 def _tensors(obj, out: list):
@@ -42,189 +43,212 @@ def _tensors(obj, out: list):
     return out
 
 
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
 class Exchange:
-    """One per engine: remembers the agreed buffer capacity, the unpacking plans, and the layout
-    of the previous trace (a training loop saves the same shapes every step)."""
+    """One per engine. Every rank keeps the same view of the previous trace (all ranks' layouts
+    and the plan cut from them), so a rank whose layout repeats need not send it again."""
 
     def __init__(self, group, rank: int, world: int):
         self.group, self.rank, self.world = group, rank, world
         self.capacity = 0
         self._plans: dict = {}
-        self._buffers = None  # (send, receive) for the current capacity, reused across traces
-        self._last = None     # (layout key, header tensor, plan) of this rank's previous trace
+        self._buffers = None  # (send, receive, headers, rows), reused while the capacity holds
+        self._last = None     # this rank's (key, _Pack) of the previous completed trace
+        self._prev = None     # (all ranks' layouts, plan) of the previous completed trace
 
-    @torch.no_grad()
     def __call__(self, saves: list) -> list:
         """Gather one trace's saves, ``(obj, mode, dim)`` in save order. Returns
         ``(tensor, global value)`` for each tensor this rank should replace. Raises ValueError
         on every rank alike when the ranks' saves do not line up."""
-        items = [(t, mode, dim) for obj, mode, dim in saves if mode != "none"
-                 for t in _tensors(obj, [])]
-        tensors = [t for t, _, _ in items]
-        key = tuple((t.dtype, mode, dim, t.shape) for t, mode, dim in items)
-        last = self._last
+        grad = torch.is_grad_enabled()  # the packing writes to out=, which autograd refuses
+        torch._C._set_grad_enabled(False)  # (cheaper than the torch.no_grad decorator)
+        try:
+            return self._exchange(saves)
+        finally:
+            torch._C._set_grad_enabled(grad)
+
+    def _exchange(self, saves: list) -> list:
+        tensors, key = [], []
+        for obj, mode, dim in saves:
+            if mode == "none":
+                continue
+            for t in (obj,) if isinstance(obj, torch.Tensor) else _tensors(obj, []):
+                tensors.append(t)
+                key.append((t.dtype, t.shape, mode, dim))
+        last, prev = self._last, self._prev
         same = last is not None and last[0] == key
-        self._last = None  # set again only when this trace's exchange completes
-        if tensors and (same or all(t.dtype == tensors[0].dtype for t in tensors)) and \
-                (not same or last[3]):
-            payload = _flatten(tensors).view(torch.uint8)  # one dtype: one C++ call
-        elif tensors:
-            payload = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
-        else:
-            payload = torch.empty(0, dtype=torch.uint8)
-        nbytes = payload.numel()
-        if same:
-            head = last[1]  # flags already say "fits" and "same layout as before"
-        else:
-            meta = []
-            for t, mode, dim in items:
-                meta += [_CODE[t.dtype], _MODES.index(mode), dim, t.dim(), *t.shape]
-            head = torch.tensor([1, len(items), 8 * (_HEADER + len(meta)) + nbytes,
-                                 len(meta), 0] + meta, dtype=torch.int64).view(torch.uint8)
-        needed = head.numel() + nbytes
+        pack = last[1] if same else _Pack(key)
+        self._last = self._prev = None  # set again only when this trace's exchange completes
+        needed = _START + pack.nbytes + (0 if same else 8 * len(pack.meta))
+        head = [1, len(tensors), needed, 0 if same else len(pack.meta), int(same)]
         device = tensors[0].device if tensors else torch.device("cpu")
         while True:
             fits = needed <= self.capacity
-            size = max(self.capacity, 8 * _HEADER)
-            buffer, gathered = self._buffers_for(size, device)
+            size = max(self.capacity, _START)
+            send, gathered, heads = self._buffers_for(size, device)
             if fits:
-                buffer[: head.numel()] = head
-                if nbytes:
-                    buffer[head.numel(): needed] = payload
-            else:  # only the header's first fields: the others learn the size this rank needs
-                buffer[: 8 * _HEADER] = head[: 8 * _HEADER]
-                buffer[:8].view(torch.int64).fill_(0)
-            _all_gather(gathered, buffer, self.group)
-            heads = self._buffers[2].tolist()  # every rank's header fields
+                pack.write(send, tensors, head, same)
+            else:  # only the header: the others learn the size this rank needs
+                send[:_START].view(torch.int64).copy_(torch.tensor([0] + head[1:]))
+                pack.written = None
+            if hasattr(self.group, "_allgather_base"):  # skips ~10 us of Python checks
+                self.group._allgather_base(gathered, send).wait()
+            else:
+                _all_gather(gathered, send, self.group)
+            heads = heads.tolist()  # every rank's header
             if all(h[0] for h in heads):
                 break
             # headroom for growing shapes; a multiple of 8 so that the headers view as int64
-            self.capacity = (max(h[2] for h in heads) * 5 // 4 + 7) // 8 * 8
+            self.capacity = _round8(max(h[2] for h in heads) * 5 // 4)
         counts = [h[1] for h in heads]
         if len(set(counts)) != 1:
             raise ValueError(
                 "ranks saved different numbers of tensors in one trace (" +
                 ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)) + "). Save the same "
                 "values on every rank, or use .save(gather='none') for rank-local values.")
-        if all(h[4] for h in heads) and last[2].size == size:
-            plan = last[2]  # every rank saved what it saved last time: the same plan holds
+        if prev is not None and all(h[4] for h in heads):
+            layouts, plan = prev  # every rank saved what it saved last time
+            # a layout that repeats is worth its bytes: shrink the headroom to what each rank
+            # needs to send its layout once more (a smaller last batch then still fits)
+            self.capacity = min(self.capacity, _round8(
+                max(h[2] + 8 * len(meta) for h, meta in zip(heads, layouts))))
         else:
-            wanted = [i for i, (_, mode, _) in enumerate(items) if mode == "all" or self.rank == 0]
-            width = max(h[3] for h in heads)
-            parts = gathered.view(self.world, size)
-            metas = parts[:, 8 * _HEADER: 8 * (_HEADER + width)].view(torch.int64).tolist()
-            layout = tuple(tuple(m[: h[3]]) for m, h in zip(metas, heads))
-            plan = self._plans.get((layout, size))
+            rows = self._buffers[3]
+            layouts = tuple(
+                prev[0][r] if h[4] else
+                tuple(rows[r, h[2] - 8 * h[3]: h[2]].view(torch.int64).tolist())
+                for r, h in enumerate(heads))
+            plan = self._plans.get(layouts)
             if plan is None:
-                plan = self._plans[(layout, size)] = _Plan(layout, wanted, size, self.world)
-        if not same:  # next time, if the layout repeats: say so in the header
-            head = head.clone()
-            head[32:40].view(torch.int64).fill_(1)
-        one_dtype = len({t.dtype for t in tensors}) <= 1 if not same else last[3]
-        self._last = (key, head, plan, one_dtype)
+                if len(self._plans) > 16:  # shapes that change every step: do not pile up plans
+                    self._plans.clear()
+                plan = self._plans[layouts] = _Plan(layouts, self.rank)
+        self._last, self._prev = (key, pack), (layouts, plan)
         if not plan.wanted:
             return []
-        values = plan.apply(gathered)
-        return [(items[i][0], v) for i, v in zip(plan.wanted, values)]
+        values = plan.apply(self._buffers[3])
+        if len(plan.wanted) == len(tensors):
+            return list(zip(tensors, values))
+        return [(tensors[i], v) for i, v in zip(plan.wanted, values)]
 
     def _buffers_for(self, size: int, device):
         cached = self._buffers
         if cached is None or cached[0].numel() != size or cached[0].device != device:
             gathered = torch.empty(self.world * size, dtype=torch.uint8, device=device)
-            heads = gathered.view(self.world, size)[:, : 8 * _HEADER].view(torch.int64)
+            rows = gathered.view(self.world, size)
             cached = self._buffers = (torch.empty(size, dtype=torch.uint8, device=device),
-                                      gathered, heads)
-        return cached[0], cached[1]
+                                      gathered, rows[:, :_START].view(torch.int64), rows)
+        return cached[:3]
+
+
+def _layout(meta: tuple) -> list:
+    """A rank's layout as ``[(dtype, shape, mode, dim, payload offset, nbytes)]``; every
+    tensor starts 8-byte aligned."""
+    specs, at, offset = [], 0, 0
+    while at < len(meta):
+        dtype, mode, dim, ndim = _DTYPES[meta[at]], _MODES[meta[at + 1]], meta[at + 2], meta[at + 3]
+        shape = tuple(meta[at + 4: at + 4 + ndim])
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        specs.append((dtype, shape, mode, dim, offset, nbytes))
+        offset += _round8(nbytes)
+        at += 4 + ndim
+    return specs
+
+
+class _Pack:
+    """How this rank writes one layout of saves into its send buffer."""
+
+    def __init__(self, key: list):
+        self.meta = []
+        for dtype, shape, mode, dim in key:
+            self.meta += [_CODE[dtype], _MODES.index(mode), dim, len(shape), *shape]
+        self.specs = _layout(self.meta)
+        self.nbytes = sum(_round8(s[5]) for s in self.specs)
+        # one shape and dtype, no padding: the payload is one [S, *shape] block for torch.stack
+        self.stack = len({(s[0], s[1]) for s in self.specs}) == 1 and self.specs[0][5] % 8 == 0
+        self.written = None  # (send buffer, header) last written, to skip rewriting it
+        self._views = None   # (send buffer, destination of each tensor in it)
+
+    def write(self, send: torch.Tensor, tensors: list, head: list, same: bool):
+        if self.written is None or self.written[0] is not send or self.written[1] != head:
+            end = _START + self.nbytes
+            send[:_START].view(torch.int64).copy_(torch.tensor(head))
+            if not same:  # the layout goes after the payload, so the payload never moves
+                send[end: end + 8 * len(self.meta)].view(torch.int64).copy_(
+                    torch.tensor(self.meta))
+            self.written = (send, head)
+        if not tensors:
+            return
+        views = self._views
+        if views is None or views[0] is not send:
+            if self.stack:
+                dtype, shape = self.specs[0][:2]
+                block = send[_START: _START + self.nbytes].view(dtype)
+                views = (send, block.view(len(tensors), *shape))
+            else:
+                views = (send, [send[_START + o: _START + o + n].view(d).view(s)
+                                for d, s, _, _, o, n in self.specs])
+            self._views = views
+        if self.stack:
+            torch.stack(tensors, out=views[1])
+        else:
+            torch._foreach_copy_(views[1], tensors)
 
 
 class _Plan:
-    """How to cut one layout of gathered buffers into the global tensors.
+    """How this rank cuts one set of gathered layouts into the global values it wants.
 
-    Three ways, fastest first: when every rank saved the same shapes of one dtype, joined on dim
-    0, the gathered payloads are ``[world, S, n]`` blocks and one transposing copy puts each
-    tensor's parts together; with one dtype and dim-0 joins otherwise, one ``index_select`` of
-    elements does; anything else (other dims, mixed dtypes) is cut tensor by tensor."""
+    When every rank saved S tensors of one shape and dtype joined on dim 0 (or 0-dim, stacked
+    to ``[world]``), the payloads are ``[world, S, n]`` blocks: one transposing copy into a
+    fresh ``[S, world * n]`` tensor and one ``unbind`` give all S values. Anything else (uneven
+    or mixed saves, other dims) is one ``cat`` per tensor of views cached on the receive
+    buffer."""
 
-    def __init__(self, layout: tuple, wanted: list[int], size: int, world: int):
-        specs = [_parse(meta) for meta in layout]  # per rank: [(dtype, shape, offset, nbytes)]
-        starts = [8 * (_HEADER + len(meta)) for meta in layout]
-        fields = _field_offsets(layout[0])
-        self.size, self.world, self.wanted, self.specs = size, world, wanted, specs
-        self.starts = starts
-        self.dims, self.shapes = [], []
-        for i in wanted:
-            dtype = specs[0][i][0]
-            dim = layout[0][fields[i] + 2]
-            shapes = [spec[i][1] for spec in specs]
-            self.shapes.append((dtype, _joined_shape(shapes, dim)))
-            self.dims.append(dim)
-        self.likes = [torch.empty(shape, dtype=dtype, device="meta") for dtype, shape in self.shapes]
-        self.nbytes = [torch.Size(s).numel() * d.itemsize for d, s in self.shapes]
-        dtypes = {dtype for dtype, _ in self.shapes}
-        simple = all(d == 0 or len(s) == 0 for d, (_, s) in zip(self.dims, self.shapes)) \
-            and len(dtypes) == 1 and all(spec[0] == s[0][0] for s in specs for spec in s)
-        self.mode = "cut"
-        self._view = None
-        if not simple or not wanted:
-            return
-        self.dtype = dtype = dtypes.pop()
-        sizes = {spec[3] for s in specs for spec in s}
-        if (wanted == list(range(len(specs[0]))) and len(sizes) == 1 and len(set(starts)) == 1
-                and len(set(layout)) == 1):
-            # even shapes on every rank: rank r's payload is an [S, n] block at one offset
-            self.mode = "transpose"
-            self.block = (starts[0] // dtype.itemsize, len(wanted), sizes.pop() // dtype.itemsize)
-            return
-        self.mode = "index"
-        pieces = []
-        for i in wanted:
-            for r, spec in enumerate(specs):
-                _, _, offset, nbytes = spec[i]
-                first = (r * size + starts[r] + offset) // dtype.itemsize
-                pieces.append(torch.arange(first, first + nbytes // dtype.itemsize))
-        self.index = torch.cat(pieces)
+    def __init__(self, layouts: tuple, rank: int):
+        specs = [_layout(meta) for meta in layouts]  # per rank
+        own = specs[rank]
+        self.wanted = [i for i, s in enumerate(own) if s[2] == "all" or rank == 0]
+        self.shapes, self.dims = [], []
+        for i, (dtype, _, _, dim, _, _) in enumerate(own):  # checked on every rank alike
+            if any(s[i][0] != dtype for s in specs):
+                raise ValueError(f"saved tensor {i} has dtypes {[str(s[i][0]) for s in specs]} "
+                                 f"on the ranks: save one dtype on every rank.")
+            self.shapes.append(_joined_shape([s[i][1] for s in specs], dim))
+            self.dims.append(dim if own[i][1] else 0)
+        self.specs, self._views = specs, None
+        self.even = (len(self.wanted) == len(own) > 0 and len(set(layouts)) == 1
+                     and len({(s[0], s[1]) for s in own}) == 1 and own[0][5] % 8 == 0
+                     and all(d == 0 for d in self.dims))
+        if self.even:
+            dtype, shape = own[0][:2]
+            self.dtype, self.n = dtype, max(torch.Size(shape).numel(), 1)
+            self.out = (len(own), *self.shapes[0])
 
-    def apply(self, gathered: torch.Tensor) -> list[torch.Tensor]:
-        if self.mode == "transpose":
-            cached = self._view
-            if cached is None or cached[0] is not gathered:  # the receive buffer is reused
-                start, count, n = self.block
-                rows = gathered.view(self.dtype).view(self.world, -1)
-                blocks = rows[:, start: start + count * n].view(self.world, count, n)
-                cached = self._view = (gathered, blocks.transpose(0, 1))
-            return list(_unflatten(cached[1].reshape(-1), self.likes))
-        if self.mode == "index":
-            joined = gathered.view(self.dtype).index_select(0, self.index.to(gathered.device))
-            return list(_unflatten(joined, self.likes))
-        # other joins (dim != 0) or mixed dtypes: cut per tensor
-        rows, out = gathered.view(self.world, self.size), []
-        for (dtype, shape), dim, i in zip(self.shapes, self.dims, self.wanted):
-            parts = []
-            for r, spec in enumerate(self.specs):
-                _, part_shape, offset, nbytes = spec[i]
-                at = self.starts[r] + offset
-                parts.append(rows[r, at: at + nbytes].view(dtype).view(part_shape))
-            out.append(torch.stack(parts) if len(shape) == 0 else torch.cat(parts, dim=dim))
-        return out
+    def apply(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        views = self._views
+        if views is None or views[0] is not rows:  # the receive buffer lives while it fits
+            views = self._views = (rows, self._cut(rows))
+        if self.even:  # reshape copies: the parts of one value are not adjacent in rows
+            if len(rows) == 1:  # ... except on one rank
+                return views[1].clone().reshape(self.out).unbind(0)
+            if self.out[0] == 1:
+                return (views[1].reshape(self.out[1:]),)
+            return views[1].reshape(self.out).unbind(0)
+        return [torch.cat(parts, self.dims[i]) for parts, i in zip(views[1], self.wanted)]
 
-
-def _field_offsets(meta: tuple) -> list[int]:
-    offsets, at = [], 0
-    while at < len(meta):
-        offsets.append(at)
-        at += 4 + meta[at + 3]
-    return offsets
-
-
-def _parse(meta: tuple) -> list:
-    specs, offset = [], 0
-    for at in _field_offsets(meta):
-        dtype, ndim = _DTYPES[meta[at]], meta[at + 3]
-        shape = tuple(meta[at + 4: at + 4 + ndim])
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        specs.append((dtype, shape, offset, nbytes))
-        offset += nbytes
-    return specs
+    def _cut(self, rows: torch.Tensor):
+        """Views into the receive buffer: for even saves ``[S, world, n]``; else, per wanted
+        tensor, its part from every rank."""
+        if self.even:
+            count = len(self.specs[0])
+            block = rows[:, _START: _START + count * self.n * self.dtype.itemsize]
+            return block.view(self.dtype).view(len(rows), count, self.n).transpose(0, 1)
+        return [[rows[r, _START + s[i][4]: _START + s[i][4] + s[i][5]].view(s[i][0])
+                 .view(s[i][1] or (1,)) for r, s in enumerate(self.specs)]
+                for i in self.wanted]
 
 
 def _joined_shape(shapes: list[tuple], dim: int) -> tuple:

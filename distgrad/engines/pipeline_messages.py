@@ -1,11 +1,18 @@
-"""Values between pipeline stages: what ``pipeline.py`` sends from a value's owner to the other
-ranks, on a gloo group of distgrad's own so that it never mixes with the schedule's traffic.
+"""Values between pipeline stages: what ``pipeline_run.py`` sends from a value's owner to the
+other ranks, on a gloo group of distgrad's own so that it never mixes with the schedule's traffic.
 
-Each value is one message of a fixed size to each other rank - a header (dtype, whether it
-requires grad, shape) and the bytes when they fit, as most values do - and a second message with
-the bytes when they do not. Tags pair a send with its receive: every rank runs the same body, so
-the n-th request of microbatch m has the same tag everywhere. A receive waits in slices of
-``config.failure_timeout`` and reads the job's failure key in between, so a failure on the
+Values travel in *batches*: every value an owner sends to one rank for one delivery moment of the
+receiver (``("F", m)``, ``("B", m)`` or ``"end"``, see ``pipeline.py``) goes in one message, sent
+when the owner's chunk that produced them ends (``"end"``: when its step ends). That moment
+causally precedes the receiver's event, so a receiver never waits for a sender that waits for it.
+
+gloo's point-to-point is a rendezvous (the bytes move only once both sides have posted), so a
+receive posted at the moment the value is needed costs round trips between two busy processes.
+The receiver therefore posts a batch's receive as soon as a body first asks for one of its
+values, long before the event, into a buffer of ``_CAP`` bytes (gloo accepts a shorter message);
+a batch longer than that sends the rest in a second message. Tags pair a send with its receive:
+every rank runs the same body, so both sides name the same batch. A wait lasts at most
+``config.failure_timeout`` seconds between reads of the job's failure key, so a failure on the
 sender reaches the receiver instead of leaving it waiting.
 """
 from __future__ import annotations
@@ -13,67 +20,100 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from .collective import _CODE, _DTYPES
 
-_HEAD = 12  # int64s: dtype code, requires_grad, ndim, shape (at most 9 dims)
-_INLINE = 16384  # bytes of a value that travel in the header's message
+_CAP = 1 << 18    # bytes of a batch in its first message
+_META = 14        # int64s per value: tag, dtype code, requires_grad, ndim, shape (9), nbytes
+_ALIGN = 16       # payloads start at multiples of this, so that they view as any dtype
+
+
+def _tag(key, part: int) -> int:
+    index = 2 if key == "end" else 3 * key[1] + (key[0] == "B")
+    return 2 * index + part
 
 
 class Messages:
     """One trace's sends and receives for a ``PipelineEngine``."""
 
     def __init__(self, engine):
-        self.engine = engine
-        self.pending: list = []  # send handles, and the tensors they read, until finish()
+        self.engine, self.channel = engine, engine.channel
+        self.outbox: dict = {}    # key -> {dst: [(tag, copy of the value)]}
+        self.sent: set = set()    # keys whose batches have gone
+        self.pending: list = []   # send works and their buffers, until finish()
+        self.posted: dict = {}    # (src, key) -> [buffer, work]; work None once unpacked
+        self.got: dict = {}       # (src, tag) -> value unpacked from a batch
 
-    def send(self, value, tag: int) -> None:
+    # -- the owner ---------------------------------------------------------------------------
+    def send(self, value, tag: int, keys: dict) -> None:
+        """Queue ``value`` for each ``dst`` in ``keys`` in that rank's batch ``keys[dst]``."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"distgrad sends only tensors between pipeline stages; this value is "
                             f"a {type(value).__name__}. Read a tensor inside it on its stage.")
-        if value.dim() > _HEAD - 3:
-            raise ValueError(f"distgrad sends tensors of at most {_HEAD - 3} dimensions between "
+        if value.dim() > _META - 5:
+            raise ValueError(f"distgrad sends tensors of at most {_META - 5} dimensions between "
                              f"pipeline stages, not {value.dim()}.")
-        data = value.detach().contiguous()
-        nbytes = data.numel() * data.element_size()
-        first = torch.zeros(8 * _HEAD + _INLINE, dtype=torch.uint8)
-        head = first[: 8 * _HEAD].view(torch.int64)
-        head[:3] = torch.tensor([_CODE[data.dtype], int(value.requires_grad), data.dim()])
-        head[3: 3 + data.dim()] = torch.tensor(data.shape, dtype=torch.int64)
-        flat = data.reshape(-1).view(torch.uint8)
-        if nbytes <= _INLINE:
-            first[8 * _HEAD: 8 * _HEAD + nbytes] = flat
-        me, channel = dist.get_rank(), self.engine.channel
-        for dst in range(dist.get_world_size()):
-            if dst != me:
-                self.pending.append(dist.isend(first, dst, group=channel, tag=2 * tag))
-                if nbytes > _INLINE:
-                    self.pending.append(dist.isend(flat, dst, group=channel, tag=2 * tag + 1))
-        self.pending.append((first, flat))  # alive until the sends complete
+        # a copy now: the body may edit the value in place before the batch goes
+        entry = (tag, value.requires_grad, value.detach().clone(memory_format=torch.contiguous_format))
+        for dst, key in keys.items():
+            if key in self.sent:
+                raise RuntimeError(f"distgrad: a value for batch {key} came after it was sent.")
+            self.outbox.setdefault(key, {}).setdefault(dst, []).append(entry)
 
-    def receive(self, src: int, tag: int) -> torch.Tensor:
-        first = torch.empty(8 * _HEAD + _INLINE, dtype=torch.uint8)
-        self._wait(dist.irecv(first, src, group=self.engine.channel, tag=2 * tag))
-        code, grad, ndim = first[: 8 * _HEAD].view(torch.int64)[:3].tolist()
-        shape = first[: 8 * _HEAD].view(torch.int64)[3: 3 + ndim].tolist()
-        dtype = _DTYPES[code]
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if nbytes <= _INLINE:
-            data = first[8 * _HEAD: 8 * _HEAD + nbytes].clone().view(dtype).view(shape)
-        else:
-            data = torch.empty(shape, dtype=dtype)
-            self._wait(dist.irecv(data.view(-1).view(torch.uint8), src,
-                                  group=self.engine.channel, tag=2 * tag + 1))
-        # a copy in a graph of its own: editable in place, and `with x.backward():` accepts it
-        return data.requires_grad_(True).clone() if grad else data
+    def flush(self, key) -> None:
+        """Send batch ``key`` to each rank that has values in it."""
+        self.sent.add(key)
+        for dst, entries in self.outbox.pop(key, {}).items():
+            data = _pack(entries)
+            self.pending.append((data, self.channel.send([data[:_CAP]], dst, _tag(key, 0))))
+            if data.numel() > _CAP:
+                self.pending.append((data, self.channel.send([data[_CAP:]], dst, _tag(key, 1))))
 
     def finish(self) -> None:
-        """Wait until every send of the trace has been received."""
-        for item in self.pending:
-            if not isinstance(item, tuple):
-                item.wait()
+        """Send what is left (the ``"end"`` batches) and wait until every send was received."""
+        for key in list(self.outbox):
+            self.flush(key)
+        for _, work in self.pending:
+            self._wait(work)
         self.pending.clear()
+
+    # -- the receiver ------------------------------------------------------------------------
+    def expect(self, src: int, key) -> None:
+        """Post the receive of ``src``'s batch ``key`` now, so that it arrives in the background."""
+        if (src, key) not in self.posted:
+            buf = torch.empty(_CAP, dtype=torch.uint8)
+            self.posted[(src, key)] = [buf, self.channel.recv([buf], src, _tag(key, 0))]
+
+    def take(self, src: int, key, tag: int) -> torch.Tensor:
+        """The value ``tag`` of ``src``'s batch ``key``, waiting for the batch if need be."""
+        self.expect(src, key)
+        entry = self.posted[(src, key)]
+        if entry[1] is not None:
+            self._unpack(src, key, entry)
+        value = self.got.pop((src, tag), None)
+        if value is None:
+            raise RuntimeError(f"distgrad: rank {src} sent no value {tag} in batch {key}: the "
+                               f"ranks' bodies asked for different values.")
+        return value
+
+    def _unpack(self, src: int, key, entry) -> None:
+        buf, work = entry
+        self._wait(work)
+        entry[1] = None
+        total, count = buf[:16].view(torch.int64).tolist()
+        if total > _CAP:
+            rest = torch.empty(total - _CAP, dtype=torch.uint8)
+            self._wait(self.channel.recv([rest], src, _tag(key, 1)))
+            buf = torch.cat([buf, rest])
+        meta = buf[16: 16 + 8 * _META * count].view(torch.int64).tolist()
+        at = _round(16 + 8 * _META * count)
+        for i in range(count):
+            tag, code, grad, ndim, *rest = meta[_META * i: _META * (i + 1)]
+            shape, nbytes = rest[:ndim], rest[-1]
+            data = buf[at: at + nbytes].view(_DTYPES[code]).view(shape).clone()
+            # a graph of its own: editable in place, and `with x.backward():` accepts it
+            self.got[(src, tag)] = data.requires_grad_(True).clone() if grad else data
+            at = _round(at + nbytes)
 
     def _wait(self, work) -> None:
         from ..backward import config
@@ -87,3 +127,27 @@ class Messages:
             found = self.engine._watch.read(self.engine._key_now())
             if found is not None:
                 raise RuntimeError(f"Connection closed: {found[1]}")
+
+
+def _round(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _pack(entries: list) -> torch.Tensor:
+    """One batch as bytes: [total bytes, count], each value's metadata, then the values."""
+    meta, sizes = [], []
+    for tag, grad, data in entries:
+        nbytes = data.numel() * data.element_size()
+        shape = list(data.shape) + [0] * (_META - 5 - data.dim())
+        meta += [tag, _CODE[data.dtype], int(grad), data.dim(), *shape, nbytes]
+        sizes.append(nbytes)
+    start = _round(16 + 8 * len(meta))
+    offsets = []
+    for nbytes in sizes:
+        offsets.append(start)
+        start = _round(start + nbytes)
+    out = torch.empty(start, dtype=torch.uint8)
+    out[:16 + 8 * len(meta)].view(torch.int64).copy_(torch.tensor([start, len(entries), *meta]))
+    for (_, _, data), at, nbytes in zip(entries, offsets, sizes):
+        out[at: at + nbytes].copy_(data.reshape(-1).view(torch.uint8))
+    return out

@@ -4,6 +4,8 @@ of ``pipeline.py`` lists, and the saved names joined across microbatches at the 
 from __future__ import annotations
 
 import contextlib
+import dis
+import sys
 
 import greenlet
 import torch
@@ -24,6 +26,7 @@ class PipelineRun:
         self.fired: set = set()   # event keys passed
         self.messages = Messages(engine)
         self.remote: dict = {}    # id(tensor) -> (tensor, stage) for values sent by another rank
+        self.others = [(r, s) for s, r in engine.rank_of_stage.items() if s != engine.my_stage]
         self.session = None
 
     # -- the trace --------------------------------------------------------------------------
@@ -34,7 +37,7 @@ class PipelineRun:
         scheduler = greenlet.getcurrent()
         bodies = [Body(trace, index=m, scheduler=scheduler) for m in range(n)]
         for body in bodies:
-            body.seq, body.last_stage = 0, -1
+            body.seq, body.last_stage, body.loss = 0, -1, None
         self.session = session = Session("forward", lambda: engine.run_step(args, kwargs), bodies)
         trace.pipeline = self
         spaces = [{**frame.f_globals, **frame.f_locals} for _ in bodies]
@@ -73,6 +76,9 @@ class PipelineRun:
                 yield
             finally:
                 session.microbatch = -1
+            # the batch of values this chunk produced goes before the schedule sends the chunk's
+            # result, so a receiver that got the result can take the values without waiting
+            self.messages.flush((phase, microbatch))
             if phase == "F":  # every module of this stage has run for the microbatch
                 self._event(("F-end", microbatch))
 
@@ -86,7 +92,7 @@ class PipelineRun:
     def _event(self, key) -> None:
         self.fired.add(key)
         if key in self.waiting or key in self.session.wanted:
-            self.session.fire(key, None)
+            self.session.fire((_PHASES[key[0]], key[1]), None)
 
     # -- the scheduler ----------------------------------------------------------------------
     def _schedule(self, bodies, glets) -> None:
@@ -120,6 +126,8 @@ class PipelineRun:
                     if passed is not None:
                         session.wanted[passed] = 1
                 session.advance()
+                if session.finished:  # before any body waits for "end": no cycle between ranks
+                    self.messages.flush("end")
                 key = session.paused_key
                 if key is not None and key in self.waiting:
                     continue  # delivered at the top of the loop
@@ -133,7 +141,7 @@ class PipelineRun:
     def _deliver(self, key, wake) -> None:
         self.session.wanted.pop(key, None)
         for body, src, tag in self.waiting.pop(key):
-            body.remote_value = self.messages.receive(src, tag)
+            body.remote_value = self.messages.take(src, key, tag)
             wake(body)
 
     # -- what the body asks for ---------------------------------------------------------------
@@ -144,9 +152,9 @@ class PipelineRun:
         if stage is None:
             raise TraceStateError(f"{path}.{kind}: no pipeline stage runs {path} itself (a "
                                   f"container, or the whole model); name one of its layers.")
-        if body.block is not None:
-            raise OutOfOrderError(f"{path}.{kind} was requested inside the backward block; "
-                                  f"read forward values before `with tr.loss.backward():`.")
+        if body.block is not None or body.loss is not None:
+            raise OutOfOrderError(f"{path}.{kind} was requested after tr.loss; read forward "
+                                  f"values before tr.loss and `with tr.loss.backward():`.")
         self._in_order(body, stage, forward=True, what=f"{path}.{kind}")
         body.seq += 1
         tag = body.index * 100_000 + body.seq
@@ -166,26 +174,34 @@ class PipelineRun:
                 if engine.owns(outer._module):
                     session.module_point(engine.local[id(outer._module)], outer._path, "output")
         stop = session.request(body, (point, body.index), lambda: _passed(path, kind))
-        self.messages.send(stop.view, tag)
+        self._send(stop.view, tag, body.index, forward=True)
         return stop
 
     def loss(self, body):
         engine = self.engine
         body.seq += 1
         tag = body.index * 100_000 + body.seq
+        # read as `with tr.loss.backward():` (frame 2: the body) the value reaches nothing the
+        # body can see: the other ranks open their block on a stand-in and nobody sends it
+        kept = not _only_opens_block(sys._getframe(2))
         if engine.my_stage != engine.last_stage:
-            value = self._wait_remote(body, ("B", body.index), engine.rank_of_stage[engine.last_stage], tag)
+            if kept:
+                src = engine.rank_of_stage[engine.last_stage]
+                value = self._wait_remote(body, ("B", body.index), src, tag)
+            else:
+                value = torch.zeros((), requires_grad=True)
         else:
             if ("B", body.index) in self.fired:
                 raise OutOfOrderError(_LATE_LOSS)
             stop = self.session.request(body, (self.loss_point, body.index), lambda: _LATE_LOSS)
             value = stop.view
-            self.messages.send(value, tag)
+            if kept:
+                self._send(value, tag, body.index, forward=True)
         body.loss = value
         return value
 
     def backward_block(self, body, block) -> None:
-        if block.tensor is not getattr(body, "loss", None):
+        if block.tensor is not body.loss:
             raise TraceStateError("in a pipeline trace the schedule runs the backward of its own "
                                   "loss: open the block with `with tr.loss.backward():`.")
         body.block = block
@@ -212,8 +228,16 @@ class PipelineRun:
         stop = session.request(body, (point, point.calls), lambda: (
             f"{label}.grad was requested after this stage's backward had passed it; request "
             f"gradients in reverse-forward order."), tensor=tensor)
-        self.messages.send(stop.view, tag)
+        self._send(stop.view, tag, body.index, forward=False)
         return stop
+
+    def _send(self, value, tag: int, microbatch: int, forward: bool) -> None:
+        """Queue a value this stage owns for every other rank, in the batch of the moment that
+        rank takes it (the module text of ``pipeline.py``)."""
+        mine, m = self.engine.my_stage, microbatch
+        keys = {dst: (("F", m) if stage > mine else ("B", m)) if forward else
+                (("B", m) if stage < mine else "end") for dst, stage in self.others}
+        self.messages.send(value, tag, keys)
 
     def _in_order(self, body, stage: int, forward: bool, what: str) -> None:
         last = body.last_stage
@@ -230,8 +254,9 @@ class PipelineRun:
 
     # -- waiting for a value from another stage -------------------------------------------------
     def _wait_remote(self, body, event, src: int, tag: int):
+        self.messages.expect(src, event)  # posted now, it arrives while the body waits
         if event in self.fired:
-            return self.messages.receive(src, tag)
+            return self.messages.take(src, event, tag)
         self.waiting.setdefault(event, []).append((body, src, tag))
         body.pending = ("remote", tag)
         body.remote_value = None
@@ -246,6 +271,13 @@ class PipelineRun:
         return value
 
 
+class _Phase(str):
+    """A chunk event's name as the session fires it: equal to the plain string, and with the
+    ``kind`` the session reads from the first item of every key it pauses at."""
+    kind = "event"
+
+
+_PHASES = {p: _Phase(p) for p in ("F", "B", "F-end")}
 _LATE_LOSS = ("tr.loss was requested after the last stage had started the microbatch's backward; "
               "read tr.loss once, after the forward values and before the backward block.")
 
@@ -260,6 +292,26 @@ def _passed_at(pending):
         if getattr(point, "kind", None) in ("output", "input"):
             return ("F-end", pending[1])
     return None
+
+
+_SITES: dict = {}  # (code, offset) -> whether `tr.loss` read there only opens a block
+
+
+def _only_opens_block(frame) -> bool:
+    """Whether the `.loss` read at ``frame``'s instruction is `with tr.loss.backward():`, with
+    no `as`: the loss then goes only to the block, which the body cannot reach."""
+    site = (frame.f_code, frame.f_lasti)
+    known = _SITES.get(site)
+    if known is None:
+        ops = [(op.offset, op.opname, op.argval) for op in dis.get_instructions(frame.f_code)
+               if op.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL", "NOP")]
+        at = [i for i, op in enumerate(ops) if op[0] <= frame.f_lasti][-1:]
+        seen = [op[1:] for op in ops[at[0]: at[0] + 5]] if at else []
+        known = _SITES[site] = len(seen) == 5 and seen[0] == ("LOAD_ATTR", "loss") and \
+            seen[1][0] in ("LOAD_METHOD", "LOAD_ATTR") and seen[1][1] == "backward" and \
+            seen[2] == ("CALL", 0) and seen[3][0] in ("BEFORE_WITH", "SETUP_WITH") and \
+            seen[4][0] == "POP_TOP"
+    return known
 
 
 def _remote(pending) -> bool:

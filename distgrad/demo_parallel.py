@@ -26,6 +26,14 @@ def _net():
     return net
 
 
+def device() -> torch.device:
+    """This rank's device: its GPU (LOCAL_RANK) where CUDA is available, else the CPU.
+    ``DISTGRAD_DEVICE=cpu`` keeps a GPU machine on the CPU path."""
+    if torch.cuda.is_available() and os.environ.get("DISTGRAD_DEVICE", "") != "cpu":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def _batch(steps: int, world: int):
     g = torch.Generator().manual_seed(7)
     return [torch.randint(0, 384, (2 * world, 8), generator=g) for _ in range(steps)]
@@ -34,11 +42,13 @@ def _batch(steps: int, world: int):
 def wrap_with_engine(engine: str, net, lr: float = 0.1, ds_config: str | None = None):
     """The tiny GPT-2 under one engine, the way the demo, launch scripts and tests use it.
     Returns what the user would hand to ``distgrad.wrap`` and the keyword arguments for it."""
+    here = device()
     if engine == "accelerate":
         from accelerate import Accelerator
-        accelerator = Accelerator(cpu=True)
+        accelerator = Accelerator(cpu=here.type == "cpu")
         return accelerator.prepare(net), {"accelerator": accelerator}
     world = dist.get_world_size()
+    net = net.to(here)
     if engine.startswith("zero"):
         import deepspeed
         import json
@@ -50,11 +60,12 @@ def wrap_with_engine(engine: str, net, lr: float = 0.1, ds_config: str | None = 
         return ds_engine, {"deepspeed": True}
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(net), {}
+        return DistributedDataParallel(
+            net, device_ids=None if here.type == "cpu" else [here.index]), {}
     if engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(here.type, (world,))
         for block in net.transformer.h:
             fully_shard(block, mesh=mesh)
         return fully_shard(net, mesh=mesh), {}
@@ -62,7 +73,7 @@ def wrap_with_engine(engine: str, net, lr: float = 0.1, ds_config: str | None = 
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-        return FullyShardedDataParallel(net, use_orig_params=True, device_id=torch.device("cpu"),
+        return FullyShardedDataParallel(net, use_orig_params=True, device_id=here,
                                         auto_wrap_policy=ModuleWrapPolicy({GPT2Block})), {}
     raise SystemExit(f"--engine {engine}: use ddp, fsdp1, fsdp2 or accelerate "
                      "(DeepSpeed is not wired yet).")
@@ -78,7 +89,7 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
         batches = _batch(steps, world)
         tables = []
         for ids in batches:
-            local = ids[2 * rank: 2 * rank + 2]
+            local = ids[2 * rank: 2 * rank + 2].to(device())
             with model.trace(local):
                 acts = [model.transformer.h[i].output for i in range(len(model.transformer.h))]
                 loss = model.output.logits.sum() * SCALE
@@ -90,7 +101,7 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
             else:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            tables.append([g.norm().item() for g in grads])
+            tables.append([g.norm().item() for g in grads])  # .item(): tables live on the CPU
         if rank == 0:
             print(f"engine {engine}, {world} ranks, {steps} steps; saved gradient norms (global batch):")
             print("step " + "".join(f"{'h[%d]' % i:>12}" for i in range(len(tables[0]))))
@@ -100,6 +111,7 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
         if check:
             weight = model.transformer.h[0].mlp.c_fc.weight  # full values: collective on FSDP/ZeRO
             full = weight.full_tensor() if hasattr(weight, "full_tensor") else _full(wrapped, weight)
+            full = full.cpu()  # the reference runs on the CPU
             if rank == 0:
                 ref_tables, ref_weight = _reference(batches, world)
                 ok = all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
@@ -116,13 +128,18 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
 
 
 def _init(engine: str) -> None:
-    """Start the process group (accelerate's Accelerator starts its own)."""
+    """Start the process group (accelerate's Accelerator starts its own): gloo on the CPU,
+    nccl where each rank has a GPU."""
     if engine == "accelerate":
         return
-    dist.init_process_group("gloo")
+    here = device()
+    backend = "gloo" if here.type == "cpu" else "nccl"
+    if here.type == "cuda":
+        torch.cuda.set_device(here)
+    dist.init_process_group(backend)
     if engine.startswith("zero"):
         import deepspeed
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend=backend)
 
 
 def _full(wrapped, weight):

@@ -125,7 +125,10 @@ class Envoy:
     def output(self):
         """What the module returned (its next call, or the call the run is paused at).
         Assign to replace it for everything downstream."""
-        body, stop = self._stop("output")
+        body = current_body()  # _stop("output") written out: this is the most used read
+        if body is None or body.trace is None:
+            self._stop("output")  # raises
+        stop = body.trace.stop_at(body, self, "output")
         value = stop.replacement if stop.replacement is not _UNSET else stop.view
         body.remember(value, self._path, ".output")
         return value

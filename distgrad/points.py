@@ -70,7 +70,7 @@ class ModulePoint:
             self.calls += 1
         key = (self, call)
         if key in session.wanted:
-            return session.fire(key, output)
+            return session.hand(key, output)
         return _NO_REPLY
 
     def _on_input(self, module, args, kwargs):
@@ -81,7 +81,7 @@ class ModulePoint:
             self.calls += 1
         key = (self, call)
         if key in session.wanted:
-            return session.fire(key, (args, kwargs))
+            return session.hand(key, (args, kwargs))
         return _NO_REPLY
 
     def remove(self):
@@ -120,7 +120,7 @@ class GradPoint:
         self.calls += 1
         key = (self, call)
         if key in self.session.wanted:
-            return self.session.fire(key, grad)
+            return self.session.hand(key, grad)
         return _NO_REPLY
 
     def remove(self):

@@ -113,6 +113,7 @@ class Session:
                  views=None):
         self.kind = kind            # "forward" or "backward"
         self.run = ThreadRun(fn) if threaded else GreenletRun(fn)
+        self.hand = self.run.hand   # what a hook calls to hand a wanted value to the bodies
         self.bodies = bodies
         self.size = size            # batch size, for splitting values between invokes
         self.wanted: dict = {}      # key -> number of bodies waiting for it
@@ -142,7 +143,7 @@ class Session:
 
     # -- the run side ---------------------------------------------------------------------
     def fire(self, key, value):
-        return self.run.hand(key, value)
+        return self.hand(key, value)
 
     # -- the body side --------------------------------------------------------------------
     def request(self, body: Body, key, passed_message, rows=_UNSET, tensor=None,

@@ -27,6 +27,7 @@ _MODES = ("rank0", "all")
 # layout is that of this rank's previous trace), same layout as before (1 or 0)
 _HEADER = 5
 _START = 8 * _HEADER  # payload offset: 8-byte aligned, so every dtype views in place
+_CPU = torch.device("cpu")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -55,9 +56,10 @@ class Exchange:
         self.group, self.rank, self.world = group, rank, world
         self.capacity = 0
         self._plans: dict = {}
-        self._buffers = None  # (send, receive, headers, rows), reused while the capacity holds
+        self._buffers = None  # ((size, device), send, receive, headers, rows), reused
         self._last = None     # this rank's (key, _Pack) of the previous completed trace
         self._prev = None     # (all ranks' layouts, plan) of the previous completed trace
+        self._steady = None   # every rank's header of the previous trace, if all repeated theirs
 
     def __call__(self, saves: list) -> list:
         """Gather one trace's saves, ``(obj, mode, dim)`` in save order. Returns
@@ -75,30 +77,40 @@ class Exchange:
         for obj, mode, dim in saves:
             if mode == "none":
                 continue
-            for t in (obj,) if isinstance(obj, torch.Tensor) else _tensors(obj, []):
-                tensors.append(t)
-                key.append((t.dtype, t.shape, mode, dim))
-        last, prev = self._last, self._prev
+            if isinstance(obj, torch.Tensor):
+                tensors.append(obj)
+                key.append((obj.dtype, obj.shape, mode, dim))
+            else:
+                for t in _tensors(obj, []):
+                    tensors.append(t)
+                    key.append((t.dtype, t.shape, mode, dim))
+        last, prev, steady = self._last, self._prev, self._steady
+        self._last = self._prev = self._steady = None  # set again when this exchange completes
         same = last is not None and last[0] == key
         pack = last[1] if same else _Pack(key)
-        self._last = self._prev = None  # set again only when this trace's exchange completes
         needed = _START + pack.nbytes + (0 if same else 8 * len(pack.meta))
         head = [1, len(tensors), needed, 0 if same else len(pack.meta), int(same)]
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = tensors[0].device if tensors else _CPU
+        # the last trace was one every rank repeated, and this rank repeats it: the others very
+        # likely do too, so the values' tensors are made while the collective runs
+        early = same and steady is not None and prev[1].even
         while True:
             fits = needed <= self.capacity
-            size = max(self.capacity, _START)
-            send, gathered, heads = self._buffers_for(size, device)
+            send, gathered, heads, rows = self._buffers_for(max(self.capacity, _START), device)
             if fits:
                 pack.write(send, tensors, head, same)
             else:  # only the header: the others learn the size this rank needs
                 send[:_START].view(torch.int64).copy_(torch.tensor([0] + head[1:]))
                 pack.written = None
-            if hasattr(self.group, "_allgather_base"):  # skips ~10 us of Python checks
-                self.group._allgather_base(gathered, send).wait()
-            else:
-                _all_gather(gathered, send, self.group)
+            work = self._start(gathered, send)
+            if early:
+                values = prev[1].prepare(device)
+            work.wait()
             heads = heads.tolist()  # every rank's header
+            if early and heads == steady:  # as expected: nothing to check, nothing to plan
+                self._last, self._prev, self._steady = last, prev, steady
+                return self._pairs(tensors, prev[1], prev[1].fill(rows, values))
+            early = False
             if all(h[0] for h in heads):
                 break
             # headroom for growing shapes; a multiple of 8 so that the headers view as int64
@@ -115,8 +127,8 @@ class Exchange:
             # needs to send its layout once more (a smaller last batch then still fits)
             self.capacity = min(self.capacity, _round8(
                 max(h[2] + 8 * len(meta) for h, meta in zip(heads, layouts))))
+            self._steady = heads
         else:
-            rows = self._buffers[3]
             layouts = tuple(
                 prev[0][r] if h[4] else
                 tuple(rows[r, h[2] - 8 * h[3]: h[2]].view(torch.int64).tolist())
@@ -125,23 +137,29 @@ class Exchange:
             if plan is None:
                 if len(self._plans) > 16:  # shapes that change every step: do not pile up plans
                     self._plans.clear()
-                plan = self._plans[layouts] = _Plan(layouts, self.rank)
+                plan = self._plans[layouts] = _Plan(layouts, self.rank, self.world)
         self._last, self._prev = (key, pack), (layouts, plan)
-        if not plan.wanted:
-            return []
-        values = plan.apply(self._buffers[3])
+        return self._pairs(tensors, plan, plan.apply(rows, device))
+
+    @staticmethod
+    def _pairs(tensors: list, plan, values) -> list:
         if len(plan.wanted) == len(tensors):
             return list(zip(tensors, values))
         return [(tensors[i], v) for i, v in zip(plan.wanted, values)]
 
+    def _start(self, gathered: torch.Tensor, send: torch.Tensor):
+        if hasattr(self.group, "_allgather_base"):  # skips ~10 us of Python checks
+            return self.group._allgather_base(gathered, send)
+        return _all_gather(gathered, send, self.group, async_op=True)
+
     def _buffers_for(self, size: int, device):
         cached = self._buffers
-        if cached is None or cached[0].numel() != size or cached[0].device != device:
+        if cached is None or cached[0] != (size, device):
             gathered = torch.empty(self.world * size, dtype=torch.uint8, device=device)
             rows = gathered.view(self.world, size)
-            cached = self._buffers = (torch.empty(size, dtype=torch.uint8, device=device),
+            cached = self._buffers = ((size, device), torch.empty(size, dtype=torch.uint8, device=device),
                                       gathered, rows[:, :_START].view(torch.int64), rows)
-        return cached[:3]
+        return cached[1:]
 
 
 def _layout(meta: tuple) -> list:
@@ -207,7 +225,8 @@ class _Plan:
     or mixed saves, other dims) is one ``cat`` per tensor of views cached on the receive
     buffer."""
 
-    def __init__(self, layouts: tuple, rank: int):
+    def __init__(self, layouts: tuple, rank: int, world: int):
+        self.world = world
         specs = [_layout(meta) for meta in layouts]  # per rank
         own = specs[rank]
         self.wanted = [i for i, s in enumerate(own) if s[2] == "all" or rank == 0]
@@ -227,17 +246,31 @@ class _Plan:
             self.dtype, self.n = dtype, max(torch.Size(shape).numel(), 1)
             self.out = (len(own), *self.shapes[0])
 
-    def apply(self, rows: torch.Tensor) -> list[torch.Tensor]:
+    def prepare(self, device):
+        """For even saves: a fresh tensor for the values, as ``[S, world, n]``, and the values,
+        views of it (made before the data is there). One value needs none of this."""
+        if self.out[0] == 1:
+            return None
+        out = torch.empty(self.out, dtype=self.dtype, device=device)
+        return out.view(self.out[0], self.world, self.n), out.unbind(0)
+
+    def fill(self, rows: torch.Tensor, prepared) -> tuple:
+        parts = self._views_of(rows)  # [S, world, n]: the parts of one value are not adjacent
+        if prepared is None:  # so reshape copies (on one rank the parts are one block: clone)
+            return ((parts.clone() if self.world == 1 else parts).reshape(self.out[1:]),)
+        prepared[0].copy_(parts)
+        return prepared[1]
+
+    def apply(self, rows: torch.Tensor, device) -> list[torch.Tensor]:
+        if self.even:
+            return self.fill(rows, self.prepare(device))
+        return [torch.cat(parts, self.dims[i]) for parts, i in zip(self._views_of(rows), self.wanted)]
+
+    def _views_of(self, rows: torch.Tensor):
         views = self._views
         if views is None or views[0] is not rows:  # the receive buffer lives while it fits
             views = self._views = (rows, self._cut(rows))
-        if self.even:  # reshape copies: the parts of one value are not adjacent in rows
-            if len(rows) == 1:  # ... except on one rank
-                return views[1].clone().reshape(self.out).unbind(0)
-            if self.out[0] == 1:
-                return (views[1].reshape(self.out[1:]),)
-            return views[1].reshape(self.out).unbind(0)
-        return [torch.cat(parts, self.dims[i]) for parts, i in zip(views[1], self.wanted)]
+        return views[1]
 
     def _cut(self, rows: torch.Tensor):
         """Views into the receive buffer: for even saves ``[S, world, n]``; else, per wanted
@@ -245,7 +278,7 @@ class _Plan:
         if self.even:
             count = len(self.specs[0])
             block = rows[:, _START: _START + count * self.n * self.dtype.itemsize]
-            return block.view(self.dtype).view(len(rows), count, self.n).transpose(0, 1)
+            return block.view(self.dtype).view(self.world, count, self.n).transpose(0, 1)
         return [[rows[r, _START + s[i][4]: _START + s[i][4] + s[i][5]].view(s[i][0])
                  .view(s[i][1] or (1,)) for r, s in enumerate(self.specs)]
                 for i in self.wanted]

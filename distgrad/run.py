@@ -11,7 +11,9 @@ hands the reply back to the hook. Two ways to switch, one protocol:
 * ``ThreadRun`` runs ``fn`` in a worker thread and accepts hand-offs from any thread. On CUDA the
   autograd engine calls tensor hooks on its per-device threads while the thread that called
   ``backward()`` sits blocked in C++, so such a backward cannot share the body's thread. A
-  hand-off costs a lock round trip (~15-20 us on this CPU; see docs/performance.rst).
+  hand-off costs a lock round trip (~11-20 us on this CPU; see docs/performance.md). The worker
+  threads are kept and reused: PyTorch sets up per-thread state the first time a thread runs a
+  backward, which made a fresh thread per backward block cost ~8 ms here.
 
 Events returned to the driver by ``resume``: ``("point", key, value)``, ``("done", result)``,
 ``("error", exc)`` or ``("aborted", None)``.
@@ -102,10 +104,34 @@ class GreenletRun:
         self.glet = None
 
 
+class _Worker:
+    """A daemon thread that runs one job at a time; idle workers wait in ``_workers``."""
+
+    def __init__(self):
+        self.job = None
+        self.go = threading.Lock()
+        self.go.acquire()
+        self.thread = threading.Thread(target=self._loop, name="distgrad-backward", daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            self.go.acquire()
+            job, self.job = self.job, None
+            job()
+
+    def start(self, job) -> None:
+        self.job = job
+        self.go.release()
+
+
+_workers: list[_Worker] = []  # idle ones; a list's append and pop are atomic under the GIL
+
+
 class ThreadRun:
     def __init__(self, fn):
         self.fn = fn
-        self.thread = None
+        self.worker = None
         self.finished = False
         self._to_body = threading.Lock()
         self._to_run = threading.Lock()
@@ -119,6 +145,7 @@ class ThreadRun:
         self._stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
 
     def _main(self):
+        # The job's last act is the release: after it the worker may be handed to another run.
         if self._stream is not None:
             torch.cuda.set_device(self._stream.device)
             with torch.cuda.stream(self._stream):
@@ -128,17 +155,16 @@ class ThreadRun:
         self._to_body.release()
 
     def resume(self, reply=None):
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._main, name="distgrad-backward", daemon=True)
-            self.thread.start()
+        if self.worker is None:
+            self.worker = _workers.pop() if _workers else _Worker()
+            self.worker.start(self._main)
         else:
             self._reply = reply
             self._to_run.release()
         self._to_body.acquire()
         event = self._box
         if event[0] != "point":
-            self.thread.join()
-            self.finished = True
+            self._done()
         return event
 
     def hand(self, key, value):
@@ -153,9 +179,13 @@ class ThreadRun:
             return self._reply
 
     def abort(self):
-        if self.thread is not None and not self.finished:
+        if self.worker is not None and not self.finished:
             self._aborting = True
             self._to_run.release()
             self._to_body.acquire()
-            self.thread.join()
+            self._done()
         self.finished = True
+
+    def _done(self):
+        self.finished = True
+        _workers.append(self.worker)

@@ -1,6 +1,7 @@
 """Per-step cost of reading + editing a gradient on a tiny GPT-2: raw hooks vs distgrad vs nnsight.
 
     python benchmarks/overhead.py [--steps 300] [--json out.json] [--no-nnsight]
+                                  [--backward-mode greenlet|thread]
 
 One process. Part A: one read+edit of model.transformer.h[0].output.grad (n_layer=2).
 Part B: the same for k = 1..6 layers of a 6-layer model; the slope is the cost of each extra one.
@@ -146,7 +147,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300, help="timed steps per variant (>= 300 advised)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--no-nnsight", action="store_true")
+    p.add_argument("--backward-mode", default="auto", choices=("auto", "greenlet", "thread"),
+                   help="distgrad.config.backward_mode (thread: what a CUDA backward uses)")
     a = p.parse_args()
+    distgrad.config.backward_mode = a.backward_mode
     torch.set_num_threads(1)
     torch.manual_seed(0)
     ids = torch.randint(0, 384, (2, 8))
@@ -154,7 +158,8 @@ def main() -> int:
     print(f"command: {' '.join([sys.executable] + sys.argv)}")
     print(f"python {platform.python_version()}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}, distgrad {distgrad.__version__}, nnsight "
-          f"{md.version('nnsight') if not a.no_nnsight else '(skipped)'}, threads {torch.get_num_threads()}")
+          f"{md.version('nnsight') if not a.no_nnsight else '(skipped)'}, threads {torch.get_num_threads()}, "
+          f"backward_mode {a.backward_mode}")
 
     net2, net6 = make_net(2), make_net(6)
     dg2, dg6 = distgrad.wrap(net2, tokenizer=None), distgrad.wrap(net6, tokenizer=None)

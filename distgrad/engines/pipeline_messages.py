@@ -17,6 +17,7 @@ sender reaches the receiver instead of leaving it waiting.
 """
 from __future__ import annotations
 
+import struct
 from datetime import timedelta
 
 import torch
@@ -26,6 +27,7 @@ from .collective import _CODE, _DTYPES
 _CAP = 1 << 18    # bytes of a batch in its first message
 _META = 14        # int64s per value: tag, dtype code, requires_grad, ndim, shape (9), nbytes
 _ALIGN = 16       # payloads start at multiples of this, so that they view as any dtype
+_SPARE: list = []  # receive buffers whose batches are unpacked: malloc'ing 256 KiB costs a mmap
 
 
 def _tag(key, part: int) -> int:
@@ -53,8 +55,12 @@ class Messages:
         if value.dim() > _META - 5:
             raise ValueError(f"distgrad sends tensors of at most {_META - 5} dimensions between "
                              f"pipeline stages, not {value.dim()}.")
-        # a copy now: the body may edit the value in place before the batch goes
-        entry = (tag, value.requires_grad, value.detach().clone(memory_format=torch.contiguous_format))
+        # its bytes now: the body may edit the value in place before the batch goes
+        data = value.detach().contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
+        raw += bytes(_round(len(raw)) - len(raw))
+        entry = ([tag, _CODE[data.dtype], int(value.requires_grad), data.dim(), *data.shape,
+                  *[0] * (_META - 5 - data.dim()), data.numel() * data.element_size()], raw)
         for dst, key in keys.items():
             if key in self.sent:
                 raise RuntimeError(f"distgrad: a value for batch {key} came after it was sent.")
@@ -64,7 +70,7 @@ class Messages:
         """Send batch ``key`` to each rank that has values in it."""
         self.sent.add(key)
         for dst, entries in self.outbox.pop(key, {}).items():
-            data = _pack(entries)
+            data = _pack(entries)  # sent from the bytes as they are: keep them until it went
             self.pending.append((data, self.channel.send([data[:_CAP]], dst, _tag(key, 0))))
             if data.numel() > _CAP:
                 self.pending.append((data, self.channel.send([data[_CAP:]], dst, _tag(key, 1))))
@@ -81,7 +87,7 @@ class Messages:
     def expect(self, src: int, key) -> None:
         """Post the receive of ``src``'s batch ``key`` now, so that it arrives in the background."""
         if (src, key) not in self.posted:
-            buf = torch.empty(_CAP, dtype=torch.uint8)
+            buf = _SPARE.pop() if _SPARE else torch.empty(_CAP, dtype=torch.uint8)
             self.posted[(src, key)] = [buf, self.channel.recv([buf], src, _tag(key, 0))]
 
     def take(self, src: int, key, tag: int) -> torch.Tensor:
@@ -100,20 +106,25 @@ class Messages:
         buf, work = entry
         self._wait(work)
         entry[1] = None
-        total, count = buf[:16].view(torch.int64).tolist()
+        view = memoryview(buf.numpy())
+        total, count = struct.unpack_from("<2q", view)
         if total > _CAP:
             rest = torch.empty(total - _CAP, dtype=torch.uint8)
             self._wait(self.channel.recv([rest], src, _tag(key, 1)))
-            buf = torch.cat([buf, rest])
-        meta = buf[16: 16 + 8 * _META * count].view(torch.int64).tolist()
-        at = _round(16 + 8 * _META * count)
+            view = memoryview(torch.cat([buf[:_CAP], rest]).numpy())
+        meta = struct.unpack_from(f"<{_META * count}q", view, 16)
+        at = 16 + 8 * _META * count
         for i in range(count):
             tag, code, grad, ndim, *rest = meta[_META * i: _META * (i + 1)]
             shape, nbytes = rest[:ndim], rest[-1]
-            data = buf[at: at + nbytes].view(_DTYPES[code]).view(shape).clone()
+            dtype = _DTYPES[code]
+            data = torch.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize,
+                                    offset=at).view(shape).clone() if nbytes else \
+                torch.empty(shape, dtype=dtype)
             # a graph of its own: editable in place, and `with x.backward():` accepts it
             self.got[(src, tag)] = data.requires_grad_(True).clone() if grad else data
-            at = _round(at + nbytes)
+            at += _round(nbytes)
+        _SPARE.append(buf)  # its values are copied out: the next receive may reuse it
 
     def _wait(self, work) -> None:
         from ..backward import config
@@ -134,20 +145,11 @@ def _round(n: int) -> int:
 
 
 def _pack(entries: list) -> torch.Tensor:
-    """One batch as bytes: [total bytes, count], each value's metadata, then the values."""
-    meta, sizes = [], []
-    for tag, grad, data in entries:
-        nbytes = data.numel() * data.element_size()
-        shape = list(data.shape) + [0] * (_META - 5 - data.dim())
-        meta += [tag, _CODE[data.dtype], int(grad), data.dim(), *shape, nbytes]
-        sizes.append(nbytes)
-    start = _round(16 + 8 * len(meta))
-    offsets = []
-    for nbytes in sizes:
-        offsets.append(start)
-        start = _round(start + nbytes)
-    out = torch.empty(start, dtype=torch.uint8)
-    out[:16 + 8 * len(meta)].view(torch.int64).copy_(torch.tensor([start, len(entries), *meta]))
-    for (_, _, data), at, nbytes in zip(entries, offsets, sizes):
-        out[at: at + nbytes].copy_(data.reshape(-1).view(torch.uint8))
-    return out
+    """One batch as bytes: [total bytes, count], each value's metadata, then the values, each
+    starting at a multiple of ``_ALIGN`` (the header is one: 16 + 112 bytes per value)."""
+    meta = [n for item, _ in entries for n in item]
+    total = 16 + 8 * len(meta) + sum(len(raw) for _, raw in entries)
+    out = bytearray(struct.pack(f"<{2 + len(meta)}q", total, len(entries), *meta))
+    for _, raw in entries:
+        out += raw
+    return torch.frombuffer(out, dtype=torch.uint8)

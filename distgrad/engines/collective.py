@@ -93,7 +93,8 @@ class Exchange:
         device = tensors[0].device if tensors else _CPU
         # the last trace was one every rank repeated, and this rank repeats it: the others very
         # likely do too, so the values' tensors are made while the collective runs
-        early = same and steady is not None and prev[1].even
+        expect = same and steady is not None
+        plan = prev[1] if expect else None
         while True:
             fits = needed <= self.capacity
             send, gathered, heads, rows = self._buffers_for(max(self.capacity, _START), device)
@@ -103,14 +104,16 @@ class Exchange:
                 send[:_START].view(torch.int64).copy_(torch.tensor([0] + head[1:]))
                 pack.written = None
             work = self._start(gathered, send)
-            if early:
-                values = prev[1].prepare(device)
+            early = plan.prepare(device) if expect and plan.even else None
             work.wait()
             heads = heads.tolist()  # every rank's header
-            if early and heads == steady:  # as expected: nothing to check, nothing to plan
+            if expect and heads == steady:  # as expected: nothing to check, nothing to plan
                 self._last, self._prev, self._steady = last, prev, steady
-                return self._pairs(tensors, prev[1], prev[1].fill(rows, values))
-            early = False
+                if not plan.wanted:
+                    return []
+                values = plan.fill(rows, early) if plan.even else plan.apply(rows, device)
+                return self._pairs(tensors, plan, values)
+            expect = False
             if all(h[0] for h in heads):
                 break
             # headroom for growing shapes; a multiple of 8 so that the headers view as int64
@@ -139,6 +142,8 @@ class Exchange:
                     self._plans.clear()
                 plan = self._plans[layouts] = _Plan(layouts, self.rank, self.world)
         self._last, self._prev = (key, pack), (layouts, plan)
+        if not plan.wanted:
+            return []
         return self._pairs(tensors, plan, plan.apply(rows, device))
 
     @staticmethod
@@ -157,8 +162,9 @@ class Exchange:
         if cached is None or cached[0] != (size, device):
             gathered = torch.empty(self.world * size, dtype=torch.uint8, device=device)
             rows = gathered.view(self.world, size)
-            cached = self._buffers = ((size, device), torch.empty(size, dtype=torch.uint8, device=device),
-                                      gathered, rows[:, :_START].view(torch.int64), rows)
+            send = torch.empty(size, dtype=torch.uint8, device=device)
+            cached = self._buffers = ((size, device), send, gathered,
+                                      rows[:, :_START].view(torch.int64), rows)
         return cached[1:]
 
 
@@ -264,7 +270,8 @@ class _Plan:
     def apply(self, rows: torch.Tensor, device) -> list[torch.Tensor]:
         if self.even:
             return self.fill(rows, self.prepare(device))
-        return [torch.cat(parts, self.dims[i]) for parts, i in zip(self._views_of(rows), self.wanted)]
+        return [torch.cat(parts, self.dims[i])
+                for parts, i in zip(self._views_of(rows), self.wanted)]
 
     def _views_of(self, rows: torch.Tensor):
         views = self._views

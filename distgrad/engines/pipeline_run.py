@@ -121,11 +121,13 @@ class PipelineRun:
                     continue
                 for key in self.waiting:
                     session.wanted[key] = 1
-                for body in waiting:  # a local value may already have passed: notice when
-                    passed = _passed_at(body.pending)
-                    if passed is not None:
-                        session.wanted[passed] = 1
+                # a local value may already have passed: notice when, for this advance only
+                marks = {_passed_at(body.pending) for body in waiting} - {None} - session.wanted.keys()
+                for key in marks:
+                    session.wanted[key] = 1
                 session.advance()
+                for key in marks:
+                    session.wanted.pop(key, None)
                 if session.finished:  # before any body waits for "end": no cycle between ranks
                     self.messages.flush("end")
                 key = session.paused_key
@@ -182,21 +184,18 @@ class PipelineRun:
         body.seq += 1
         tag = body.index * 100_000 + body.seq
         # read as `with tr.loss.backward():` (frame 2: the body) the value reaches nothing the
-        # body can see: the other ranks open their block on a stand-in and nobody sends it
-        kept = not _only_opens_block(sys._getframe(2))
-        if engine.my_stage != engine.last_stage:
-            if kept:
-                src = engine.rank_of_stage[engine.last_stage]
-                value = self._wait_remote(body, ("B", body.index), src, tag)
-            else:
-                value = torch.zeros((), requires_grad=True)
+        # body can see: the block opens on a stand-in (the schedule runs the real backward)
+        if _only_opens_block(sys._getframe(2)):  # every rank: none waits, none sends
+            value = torch.zeros((), requires_grad=True)
+        elif engine.my_stage != engine.last_stage:
+            src = engine.rank_of_stage[engine.last_stage]
+            value = self._wait_remote(body, ("B", body.index), src, tag)
         else:
             if ("B", body.index) in self.fired:
                 raise OutOfOrderError(_LATE_LOSS)
             stop = self.session.request(body, (self.loss_point, body.index), lambda: _LATE_LOSS)
             value = stop.view
-            if kept:
-                self._send(value, tag, body.index, forward=True)
+            self._send(value, tag, body.index, forward=True)
         body.loss = value
         return value
 

@@ -74,13 +74,11 @@ class Exchange:
 
     def _exchange(self, saves: list) -> list:
         tensors, key = [], []
-        for obj, mode, dim in saves:
-            if mode == "none":
-                continue
-            if isinstance(obj, torch.Tensor):
+        for obj, mode, dim in saves:  # the per-tensor Python of a trace: kept to the minimum
+            if type(obj) is torch.Tensor and mode != "none":
                 tensors.append(obj)
                 key.append((obj.dtype, obj.shape, mode, dim))
-            else:
+            elif mode != "none":  # subclasses, dicts, tuples
                 for t in _tensors(obj, []):
                     tensors.append(t)
                     key.append((t.dtype, t.shape, mode, dim))

@@ -34,7 +34,8 @@ def test_two_stages(schedule, microbatches, tmp_path):
 
 
 def test_values_larger_than_one_message(tmp_path):
-    """[4, 2048] fp32 values (32 KiB) cross stages in a header message and a payload message."""
+    """[4, 2048] fp32 values (32 KiB): a batch of two of them (stage 0's outputs for stage 1)
+    is longer than a first message carries and sends the rest in a second one."""
     for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, width=2048)):
         for case in ("case_read_edit", "case_out_of_order"):
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
@@ -58,6 +59,11 @@ def test_four_stages_on_four_ranks(tmp_path):
 def test_late_forward_read_raises_instead_of_hanging(schedule, tmp_path):
     for rank, result in enumerate(_job(tmp_path, schedule, 2, 2, cases="late_read")):
         assert result.get("case_late_read") == "ok", f"rank {rank}:\n{result.get('case_late_read')}"
+
+
+def test_forward_read_after_loss_raises_on_every_rank(tmp_path):
+    for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, cases="after_loss")):
+        assert result.get("case_after_loss") == "ok", f"rank {rank}:\n{result.get('case_after_loss')}"
 
 
 def test_failure_on_one_stage_reaches_all(tmp_path):

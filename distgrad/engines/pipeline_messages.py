@@ -24,10 +24,10 @@ import torch
 
 from .collective import _CODE, _DTYPES
 
-_CAP = 1 << 18    # bytes of a batch in its first message
+_CAP = 1 << 16    # bytes of a batch in its first message
 _META = 14        # int64s per value: tag, dtype code, requires_grad, ndim, shape (9), nbytes
 _ALIGN = 16       # payloads start at multiples of this, so that they view as any dtype
-_SPARE: list = []  # receive buffers whose batches are unpacked: malloc'ing 256 KiB costs a mmap
+_SPARE: list = []  # receive buffers whose batches are unpacked, for the next receives
 
 
 def _tag(key, part: int) -> int:

@@ -132,6 +132,22 @@ def case_late_read(model, net, ctx):
         raise AssertionError("no error")
 
 
+def case_after_loss(model, net, ctx):
+    """A forward value read after tr.loss (here after the backward block) raises on every rank,
+    although the block is empty and the value's stage could still serve it."""
+    x, y = batch()
+    try:
+        with model.trace(x, target=y) as tr:
+            with tr.loss.backward():
+                pass
+            model.layers[0].output
+    except distgrad.OutOfOrderError as exc:
+        if "after tr.loss" not in str(exc):
+            raise
+    else:
+        raise AssertionError("no OutOfOrderError")
+
+
 def case_failure(model, net, ctx):
     rank = ctx["rank"]
     x, y = batch()
@@ -154,7 +170,7 @@ def main():
     parser.add_argument("--schedule", required=True, choices=["gpipe", "1f1b"])
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", default="all", choices=["all", "failure", "late_read"])
+    parser.add_argument("--cases", default="all", choices=["all", "failure", "late_read", "after_loss"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
@@ -179,7 +195,7 @@ def main():
     ctx = {"rank": rank, "world": world, "m": args.microbatches}
     # each ends the job's group when it raises, so an error case runs last
     cases = {"all": (case_read_edit, case_out_of_order), "failure": (case_failure,),
-             "late_read": (case_late_read,)}[args.cases]
+             "late_read": (case_late_read,), "after_loss": (case_after_loss,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, ctx)
 
 

@@ -42,9 +42,12 @@ the gradient of its own microbatch's loss, as a data-parallel rank sees its own 
 """
 from __future__ import annotations
 
+import dis
+
 import torch
 import torch.distributed as dist
 
+from ..capture import NotSaved
 from .distributed import DistributedEngine
 
 
@@ -152,3 +155,61 @@ class PipelineEngine(DistributedEngine):
     def run_captured(self, trace, code, names, frame) -> None:
         from .pipeline_run import PipelineRun
         PipelineRun(self, trace).run(code, names, frame)
+
+
+# -- what a trace's body needs, kept here so that the run reads as the schedule -----------
+_SITES: dict = {}  # (code, offset) -> whether `tr.loss` read there only opens a block
+
+
+def only_opens_block(frame) -> bool:
+    """Whether the `.loss` read at ``frame``'s instruction is `with tr.loss.backward():`, with
+    no `as`: the loss then goes only to the block, which the body cannot reach."""
+    site = (frame.f_code, frame.f_lasti)
+    known = _SITES.get(site)
+    if known is None:
+        ops = [(op.offset, op.opname, op.argval) for op in dis.get_instructions(frame.f_code)
+               if op.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL", "NOP")]
+        at = [i for i, op in enumerate(ops) if op[0] <= frame.f_lasti][-1:]
+        seen = [op[1:] for op in ops[at[0]: at[0] + 5]] if at else []
+        known = _SITES[site] = len(seen) == 5 and seen[0] == ("LOAD_ATTR", "loss") and \
+            seen[1][0] in ("LOAD_METHOD", "LOAD_ATTR") and seen[1][1] == "backward" and \
+            seen[2] == ("CALL", 0) and seen[3][0] in ("BEFORE_WITH", "SETUP_WITH") and \
+            seen[4][0] == "POP_TOP"
+    return known
+
+
+def joined(names: list[str], bodies: list, spaces: list[dict]) -> dict:
+    """Each saved name: the microbatches' values concatenated on the save's ``dim`` (0 by
+    default; 0-dim values are stacked); a list, tuple or dict of saved values comes back joined
+    item by item."""
+    saved = {id(entry[0]): entry[2] for body in bodies for entry in body.saves}
+    out = {}
+    for name in names:
+        values = [space.get(name, _MISSING) for space in spaces]
+        value = _join(values, saved)
+        out[name] = value if value is not _MISSING else NotSaved(
+            name, "in the body of a pipeline trace (it runs once per microbatch)")
+    return out
+
+
+_MISSING = object()
+
+
+def _join(values: list, saved: dict):
+    first = values[0]
+    if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and id(v) in saved
+                                               for v in values):
+        dim = saved[id(first)]
+        values = [v.detach() for v in values]
+        return torch.stack(values) if first.dim() == 0 else torch.cat(values, dim=dim)
+    if isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first)
+                                                for v in values):
+        items = [_join([v[i] for v in values], saved) for i in range(len(first))]
+        return _MISSING if any(i is _MISSING for i in items) else type(first)(items)
+    if isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys()
+                                       for v in values):
+        if all(id(v) in saved for v in values):  # distgrad.save(a_dict): its tensors, joined
+            saved = {**saved, **{id(t): saved[id(v)] for v in values for t in v.values()}}
+        items = {k: _join([v[k] for v in values], saved) for k in first}
+        return _MISSING if any(i is _MISSING for i in items.values()) else items
+    return _MISSING

@@ -4,7 +4,6 @@ of ``pipeline.py`` lists, and the saved names joined across microbatches at the 
 from __future__ import annotations
 
 import contextlib
-import dis
 import sys
 
 import greenlet
@@ -13,7 +12,7 @@ import torch
 from .. import capture
 from ..errors import OutOfOrderError, TraceStateError
 from ..session import BODIES, Body, Session, Stop
-from .pipeline import LossPoint, PipelineEngine
+from .pipeline import LossPoint, PipelineEngine, joined, only_opens_block
 from .pipeline_messages import Messages
 
 
@@ -61,7 +60,7 @@ class PipelineRun:
                 session.abort()
             session.close()
             trace.pipeline = None
-        capture.write_back(frame, _joined(names, bodies, spaces))
+        capture.write_back(frame, joined(names, bodies, spaces))
 
     def _instrument(self):
         """Mark each chunk with its microbatch and phase, and catch each microbatch's loss."""
@@ -185,7 +184,7 @@ class PipelineRun:
         tag = body.index * 100_000 + body.seq
         # read as `with tr.loss.backward():` (frame 2: the body) the value reaches nothing the
         # body can see: the block opens on a stand-in (the schedule runs the real backward)
-        if _only_opens_block(sys._getframe(2)):  # every rank: none waits, none sends
+        if only_opens_block(sys._getframe(2)):  # every rank: none waits, none sends
             value = torch.zeros((), requires_grad=True)
         elif engine.my_stage != engine.last_stage:
             src = engine.rank_of_stage[engine.last_stage]
@@ -293,26 +292,6 @@ def _passed_at(pending):
     return None
 
 
-_SITES: dict = {}  # (code, offset) -> whether `tr.loss` read there only opens a block
-
-
-def _only_opens_block(frame) -> bool:
-    """Whether the `.loss` read at ``frame``'s instruction is `with tr.loss.backward():`, with
-    no `as`: the loss then goes only to the block, which the body cannot reach."""
-    site = (frame.f_code, frame.f_lasti)
-    known = _SITES.get(site)
-    if known is None:
-        ops = [(op.offset, op.opname, op.argval) for op in dis.get_instructions(frame.f_code)
-               if op.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL", "NOP")]
-        at = [i for i, op in enumerate(ops) if op[0] <= frame.f_lasti][-1:]
-        seen = [op[1:] for op in ops[at[0]: at[0] + 5]] if at else []
-        known = _SITES[site] = len(seen) == 5 and seen[0] == ("LOAD_ATTR", "loss") and \
-            seen[1][0] in ("LOAD_METHOD", "LOAD_ATTR") and seen[1][1] == "backward" and \
-            seen[2] == ("CALL", 0) and seen[3][0] in ("BEFORE_WITH", "SETUP_WITH") and \
-            seen[4][0] == "POP_TOP"
-    return known
-
-
 def _remote(pending) -> bool:
     return isinstance(pending, tuple) and len(pending) == 2 and pending[0] == "remote"
 
@@ -320,40 +299,3 @@ def _remote(pending) -> bool:
 def _passed(path, kind):
     return (f"{path}.{kind} was requested after this stage had run it for the microbatch; read "
             f"module values in forward order.")
-
-
-def _joined(names: list[str], bodies: list[Body], spaces: list[dict]) -> dict:
-    """Each saved name: the microbatches' values concatenated on the save's ``dim`` (0 by
-    default; 0-dim values are stacked); a list, tuple or dict of saved values comes back joined
-    item by item."""
-    saved = {id(entry[0]): entry[2] for body in bodies for entry in body.saves}
-    out = {}
-    for name in names:
-        values = [space.get(name, _MISSING) for space in spaces]
-        joined = _join(values, saved)
-        out[name] = joined if joined is not _MISSING else capture.NotSaved(
-            name, "in the body of a pipeline trace (it runs once per microbatch)")
-    return out
-
-
-_MISSING = object()
-
-
-def _join(values: list, saved: dict):
-    first = values[0]
-    if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and id(v) in saved
-                                               for v in values):
-        dim = saved[id(first)]
-        values = [v.detach() for v in values]
-        return torch.stack(values) if first.dim() == 0 else torch.cat(values, dim=dim)
-    if isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first)
-                                                for v in values):
-        items = [_join([v[i] for v in values], saved) for i in range(len(first))]
-        return _MISSING if any(i is _MISSING for i in items) else type(first)(items)
-    if isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys()
-                                       for v in values):
-        if all(id(v) in saved for v in values):  # distgrad.save(a_dict): its tensors, joined
-            saved = {**saved, **{id(t): saved[id(v)] for v in values for t in v.values()}}
-        items = {k: _join([v[k] for v in values], saved) for k in first}
-        return _MISSING if any(i is _MISSING for i in items.values()) else items
-    return _MISSING

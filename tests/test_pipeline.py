@@ -61,9 +61,12 @@ def test_late_forward_read_raises_instead_of_hanging(schedule, tmp_path):
         assert result.get("case_late_read") == "ok", f"rank {rank}:\n{result.get('case_late_read')}"
 
 
-def test_forward_read_after_loss_raises_on_every_rank(tmp_path):
-    for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, cases="after_loss")):
-        assert result.get("case_after_loss") == "ok", f"rank {rank}:\n{result.get('case_after_loss')}"
+@pytest.mark.parametrize("case", ["after_loss", "grad_order"])
+def test_order_errors_raise_instead_of_hanging(case, tmp_path):
+    """A forward value after tr.loss (every rank raises); gradients of one stage in forward order
+    (the rank missing the second raises, its owner hears of it)."""
+    for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, cases=case)):
+        assert result.get(f"case_{case}") == "ok", f"rank {rank}:\n{result.get(f'case_{case}')}"
 
 
 def test_failure_on_one_stage_reaches_all(tmp_path):

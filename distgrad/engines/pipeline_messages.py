@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch
 
+from ..errors import OutOfOrderError
 from .collective import _CODE, _DTYPES
 
 _CAP = 1 << 16    # bytes of a batch in its first message
@@ -98,8 +99,12 @@ class Messages:
             self._unpack(src, key, entry)
         value = self.got.pop((src, tag), None)
         if value is None:
-            raise RuntimeError(f"distgrad: rank {src} sent no value {tag} in batch {key}: the "
-                               f"ranks' bodies asked for different values.")
+            # The owner's body asked for it only after the chunk that would have produced it
+            # (so it raises there too), or the bodies differ: waiting would never end.
+            raise OutOfOrderError(
+                f"rank {src} did not send a value this body asked for (batch {key}): its stage "
+                f"had passed it when its own body asked for it. In a pipeline, request values in "
+                f"forward order, stage by stage, and gradients in reverse.")
         return value
 
     def _unpack(self, src: int, key, entry) -> None:

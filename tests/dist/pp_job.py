@@ -148,6 +148,28 @@ def case_after_loss(model, net, ctx):
         raise AssertionError("no OutOfOrderError")
 
 
+def case_grad_order(model, net, ctx):
+    """Two gradients of one stage in forward order: its owner passes the second before the body
+    asks for it, so the batch it sends lacks it; the rank waiting for it raises instead of
+    hanging (its owner cannot end the step while it waits)."""
+    x, y = batch()
+    try:
+        with model.trace(x, target=y) as tr:
+            h2 = model.layers[2].output
+            h3 = model.layers[3].output
+            with tr.loss.backward():
+                h2.grad
+                h3.grad
+    except distgrad.OutOfOrderError as exc:
+        if "did not send" not in str(exc):
+            raise
+    except distgrad.RankFailedError as exc:
+        if "OutOfOrderError" not in str(exc):
+            raise
+    else:
+        raise AssertionError("no error")
+
+
 def case_failure(model, net, ctx):
     rank = ctx["rank"]
     x, y = batch()
@@ -170,7 +192,8 @@ def main():
     parser.add_argument("--schedule", required=True, choices=["gpipe", "1f1b"])
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", default="all", choices=["all", "failure", "late_read", "after_loss"])
+    parser.add_argument("--cases", default="all", choices=["all", "failure", "late_read", "after_loss",
+                                                      "grad_order"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
@@ -195,7 +218,7 @@ def main():
     ctx = {"rank": rank, "world": world, "m": args.microbatches}
     # each ends the job's group when it raises, so an error case runs last
     cases = {"all": (case_read_edit, case_out_of_order), "failure": (case_failure,),
-             "late_read": (case_late_read,), "after_loss": (case_after_loss,)}[args.cases]
+             "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, ctx)
 
 

@@ -192,8 +192,8 @@ def main():
     parser.add_argument("--schedule", required=True, choices=["gpipe", "1f1b"])
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", default="all", choices=["all", "failure", "late_read", "after_loss",
-                                                      "grad_order"])
+    parser.add_argument("--cases", default="all",
+                        choices=["all", "failure", "late_read", "after_loss", "grad_order"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()

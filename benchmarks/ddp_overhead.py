@@ -81,6 +81,8 @@ def main():
         parts = [torch.empty_like(flat) for _ in range(world)]
         exchange = collective.Exchange(dist.group.WORLD, rank, world)
         exchange(saves)  # the first call agrees on a buffer size; later ones are one collective
+        for tensor, original in zip(tensors, originals):
+            tensor.data = original
         one, ours = [], []
         for _ in range(args.steps // 10):
             for _ in range(10):
@@ -91,8 +93,7 @@ def main():
             for _ in range(10):
                 dist.barrier()
                 t = time.perf_counter_ns()
-                for tensor, value in exchange(saves):
-                    tensor.data = value  # what end_trace does: the user's name shows the result
+                exchange(saves)  # what end_trace does; it rebinds each saved tensor to its result
                 ours.append(time.perf_counter_ns() - t)
                 for tensor, original in zip(tensors, originals):
                     tensor.data = original

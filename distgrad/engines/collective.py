@@ -6,13 +6,15 @@ ranks ``all_gather`` those buffers. ``all_gather`` needs one size on every rank,
 a capacity the ranks agreed on in an earlier trace; a rank whose saves do not fit sends only its
 header with the size it needs, every rank sees that, and the ranks repeat once with the larger
 capacity. Ranks may save tensors of different sizes on the joined dimension (an uneven last
-batch). In a training loop with fixed shapes every trace after the first costs one collective of
-exactly the saved bytes plus 40, for S saved tensors as for one.
+batch). In a training loop with fixed shapes every trace after the first costs one collective (from
+the third on, of exactly the saved bytes plus 40), for S saved tensors as for one.
 
-The cost that is left grows with S only by what Python must do per tensor (about 2 us: read
-its shape, hand it to one packing call, get a view back from one unpacking call, rebind the
-user's tensor); packing and unpacking are single C++ calls for the common case of S saves of one
-shape and dtype, and everything else is planned once per layout and cached.
+Each trace ends with the saved tensors rebound to their global values (``tensor.data = value``).
+What is left that grows with S is the Python per tensor (read its dtype and shape, pass it to
+one packing call, get a view back from one unpacking call, rebind it): packing and unpacking are
+single C++ calls for the common case of S saves of one shape and dtype, everything else is
+planned once per layout and cached, and in a steady training loop the views are made and bound
+while the collective runs (it very likely repeats the last trace; undone when it does not).
 """
 from __future__ import annotations
 
@@ -60,17 +62,32 @@ class Exchange:
         self._last = None     # this rank's (key, _Pack) of the previous completed trace
         self._prev = None     # (all ranks' layouts, plan) of the previous completed trace
         self._steady = None   # every rank's header of the previous trace, if all repeated theirs
+        self._bound = None    # (saved tensors, their local values) while bound early
 
-    def __call__(self, saves: list) -> list:
-        """Gather one trace's saves, ``(obj, mode, dim)`` in save order. Returns
-        ``(tensor, global value)`` for each tensor this rank should replace. Raises ValueError
-        on every rank alike when the ranks' saves do not line up."""
+    def __call__(self, saves: list) -> None:
+        """Gather one trace's saves, ``(obj, mode, dim)`` in save order, and rebind each saved
+        tensor this rank should replace to its global value (``tensor.data = value``: the name
+        the user holds shows the result). Raises ValueError on every rank alike when the ranks'
+        saves do not line up; the saved tensors then keep their local values."""
         grad = torch.is_grad_enabled()  # the packing writes to out=, which autograd refuses
         torch._C._set_grad_enabled(False)  # (cheaper than the torch.no_grad decorator)
+        self._bound = None
         try:
-            return self._exchange(saves)
+            for tensor, value in self._exchange(saves):
+                tensor.data = value
+        except BaseException:
+            self._unbind()
+            raise
         finally:
             torch._C._set_grad_enabled(grad)
+
+    def _unbind(self):
+        """Undo an early binding: back to the local values, which the send buffer holds."""
+        if self._bound is not None:
+            tensors, local = self._bound
+            self._bound = None
+            for tensor, value in zip(tensors, local.clone().unbind(0)):
+                tensor.data = value
 
     def _exchange(self, saves: list) -> list:
         tensors, key = [], []
@@ -90,7 +107,8 @@ class Exchange:
         head = [1, len(tensors), needed, 0 if same else len(pack.meta), int(same)]
         device = tensors[0].device if tensors else _CPU
         # the last trace was one every rank repeated, and this rank repeats it: the others very
-        # likely do too, so the values' tensors are made while the collective runs
+        # likely do too, so the values' tensors are made, and the saved tensors bound to them,
+        # while the collective runs (undone if the others did not repeat theirs)
         expect = same and steady is not None
         plan = prev[1] if expect else None
         while True:
@@ -102,16 +120,23 @@ class Exchange:
                 send[:_START].view(torch.int64).copy_(torch.tensor([0] + head[1:]))
                 pack.written = None
             work = self._start(gathered, send)
-            early = plan.prepare(device) if expect and plan.even else None
+            early = None
+            if expect and plan.even:  # (even: every tensor is wanted and was packed by stack)
+                early = plan.prepare(device)
+                self._bound = tensors, pack.block
+                for tensor, value in zip(tensors, early[1]):
+                    tensor.data = value
             work.wait()
             heads = heads.tolist()  # every rank's header
             if expect and heads == steady:  # as expected: nothing to check, nothing to plan
                 self._last, self._prev, self._steady = last, prev, steady
-                if not plan.wanted:
-                    return []
-                values = plan.fill(rows, early) if plan.even else plan.apply(rows, device)
-                return self._pairs(tensors, plan, values)
+                if early is not None:
+                    plan.fill(rows, early)
+                    self._bound = None
+                    return ()
+                return self._pairs(tensors, plan, plan.apply(rows, device))
             expect = False
+            self._unbind()  # a repeat packs the saved tensors again: they must be local again
             if all(h[0] for h in heads):
                 break
             # headroom for growing shapes; a multiple of 8 so that the headers view as int64
@@ -140,12 +165,12 @@ class Exchange:
                     self._plans.clear()
                 plan = self._plans[layouts] = _Plan(layouts, self.rank, self.world)
         self._last, self._prev = (key, pack), (layouts, plan)
-        if not plan.wanted:
-            return []
         return self._pairs(tensors, plan, plan.apply(rows, device))
 
     @staticmethod
     def _pairs(tensors: list, plan, values) -> list:
+        if not plan.wanted:
+            return []
         if len(plan.wanted) == len(tensors):
             return list(zip(tensors, values))
         return [(tensors[i], v) for i, v in zip(plan.wanted, values)]
@@ -193,6 +218,7 @@ class _Pack:
         self.stack = len({(s[0], s[1]) for s in self.specs}) == 1 and self.specs[0][5] % 8 == 0
         self.written = None  # (send buffer, header) last written, to skip rewriting it
         self._views = None   # (send buffer, destination of each tensor in it)
+        self.block = None
 
     def write(self, send: torch.Tensor, tensors: list, head: list, same: bool):
         if self.written is None or self.written[0] is not send or self.written[1] != head:
@@ -215,7 +241,8 @@ class _Pack:
                                 for d, s, _, _, o, n in self.specs])
             self._views = views
         if self.stack:
-            torch.stack(tensors, out=views[1])
+            self.block = views[1]  # [S, *shape]: this rank's values, while the buffer lives
+            torch.stack(tensors, out=self.block)
         else:
             torch._foreach_copy_(views[1], tensors)
 
@@ -250,19 +277,15 @@ class _Plan:
             self.dtype, self.n = dtype, max(torch.Size(shape).numel(), 1)
             self.out = (len(own), *self.shapes[0])
 
-    def prepare(self, device):
+    def prepare(self, device) -> tuple:
         """For even saves: a fresh tensor for the values, as ``[S, world, n]``, and the values,
-        views of it (made before the data is there). One value needs none of this."""
-        if self.out[0] == 1:
-            return None
+        views of it (made before the data is there)."""
         out = torch.empty(self.out, dtype=self.dtype, device=device)
         return out.view(self.out[0], self.world, self.n), out.unbind(0)
 
-    def fill(self, rows: torch.Tensor, prepared) -> tuple:
-        parts = self._views_of(rows)  # [S, world, n]: the parts of one value are not adjacent
-        if prepared is None:  # so reshape copies (on one rank the parts are one block: clone)
-            return ((parts.clone() if self.world == 1 else parts).reshape(self.out[1:]),)
-        prepared[0].copy_(parts)
+    def fill(self, rows: torch.Tensor, prepared: tuple) -> tuple:
+        # [S, world, n] in rows: the parts of one value are not adjacent, so one copy
+        prepared[0].copy_(self._views_of(rows))
         return prepared[1]
 
     def apply(self, rows: torch.Tensor, device) -> list[torch.Tensor]:

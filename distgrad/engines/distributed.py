@@ -97,12 +97,9 @@ class DistributedEngine(Engine):
         if self._exchange is None:
             return None
         try:
-            results = self._exchange(saves)
+            self._exchange(saves)  # rebinds saved tensors: the user's names show global values
         except RuntimeError as exc:  # the group broke under us: a peer failed
             raise self._peer_failure(exc) from exc
-        with torch.no_grad():
-            for tensor, value in results:
-                tensor.data = value  # the name the user holds now shows the global view
         return None
 
     def _key(self) -> str:

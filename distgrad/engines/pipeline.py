@@ -15,15 +15,18 @@ the body runs once per microbatch on every rank, like an invoke: its source is c
 microbatches' values concatenated on dim 0, on every rank.
 
 A value of a module another stage runs is the real value, sent by its owner: every rank runs the
-same body, so the owner serves the same request and sends what it got (``isend`` on a group of
-distgrad's own) to every other rank. The receiver takes it only at a moment when the owner has
-certainly sent it, which makes waiting safe in every schedule:
+same body, so the owner serves the same request and sends what it got to every other rank, in one
+message per receiving rank and moment below (``pipeline_messages.py``). The receiver takes it
+only at a moment when the owner has certainly sent it, which makes waiting safe in every schedule:
 
 * a forward value of an earlier stage: at the start of this rank's forward of the microbatch
   (it needed the earlier stage's output, so the earlier stage's hooks had fired);
 * a forward value or gradient of a later stage: at the start of this rank's backward of the
   microbatch (it needed the later stage's gradient);
 * a gradient of an earlier stage: when this rank's step has finished.
+
+``with tr.loss.backward():`` uses the loss only to open the block, so there no rank waits for it
+and none sends it (``only_opens_block``).
 
 An assignment to another stage's value is applied by its owner (which runs the same line); other
 ranks keep it in their copy only. A received value is a tensor of its own: an edit on one stage

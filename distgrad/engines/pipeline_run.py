@@ -121,7 +121,8 @@ class PipelineRun:
                 for key in self.waiting:
                     session.wanted[key] = 1
                 # a local value may already have passed: notice when, for this advance only
-                marks = {_passed_at(body.pending) for body in waiting} - {None} - session.wanted.keys()
+                marks = {_passed_at(body.pending) for body in waiting} - {None}
+                marks -= session.wanted.keys()
                 for key in marks:
                     session.wanted[key] = 1
                 session.advance()

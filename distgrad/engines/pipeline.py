@@ -30,7 +30,9 @@ and none sends it (``only_opens_block``).
 
 An assignment to another stage's value is applied by its owner (which runs the same line); other
 ranks keep it in their copy only. A received value is a tensor of its own: an edit on one stage
-that uses another stage's value sends no gradient back to that stage.
+built from an earlier stage's value would need a gradient sent back to that stage, which is not
+done; the receiving stage detects that its backward reached the copy and raises
+(``PipelineRun._check_earlier``), so no stage is left with gradients unlike one process's.
 
 Requests go in pipeline order - forward values by non-decreasing stage, gradients by
 non-increasing stage - and a request against that order raises ``OutOfOrderError`` on the ranks

@@ -25,6 +25,7 @@ class PipelineRun:
         self.fired: set = set()   # event keys passed
         self.messages = Messages(engine)
         self.remote: dict = {}    # id(tensor) -> (tensor, stage) for values sent by another rank
+        self.earlier: dict = {}   # microbatch -> [(label, reached)]: received earlier-stage values
         self.others = [(r, s) for s, r in engine.rank_of_stage.items() if s != engine.my_stage]
         self.session = None
 
@@ -80,6 +81,8 @@ class PipelineRun:
             self.messages.flush((phase, microbatch))
             if phase == "F":  # every module of this stage has run for the microbatch
                 self._event(("F-end", microbatch))
+            else:
+                self._check_earlier(microbatch)
 
         def on_loss(microbatch, loss):
             if (self.loss_point, microbatch) in session.wanted:
@@ -87,6 +90,19 @@ class PipelineRun:
 
         session.microbatch = -1
         return self.engine.instrument(on_chunk, on_loss)
+
+    def _check_earlier(self, microbatch: int) -> None:
+        """One process would carry the gradient of a value this stage received from an earlier
+        one back into that stage; a pipeline does not, so a backward that reached such a copy
+        (an edit here built from it) would give that stage wrong gradients: refuse it."""
+        for label, reached in self.earlier.pop(microbatch, ()):
+            if reached:
+                raise NotImplementedError(
+                    f"{label} (run by an earlier pipeline stage) was used in an edit on stage "
+                    f"{self.engine.my_stage}, so its gradient would have to flow back to that "
+                    f"stage, which distgrad does not do: the earlier stage's gradients would "
+                    f"differ from one process. Use {label}.detach() in the edit to treat it as a "
+                    f"constant, or make the edit on the stage that runs it.")
 
     def _event(self, key) -> None:
         self.fired.add(key)
@@ -165,6 +181,11 @@ class PipelineRun:
             event = ("F", body.index) if stage < engine.my_stage else ("B", body.index)
             value = self._wait_remote(body, event, src, tag)
             self.remote[id(value)] = (value, stage)
+            if stage < engine.my_stage and value.requires_grad:
+                # note whether this stage's backward reaches the copy: see _check_earlier
+                reached = []
+                value.register_hook(lambda grad: reached.append(True))
+                self.earlier.setdefault(body.index, []).append((f"{path}.{kind}", reached))
             return Stop(("remote", tag), value, None, kind, 0, None)
         if ("F-end", body.index) in self.fired:
             raise OutOfOrderError(_passed(path, kind))

@@ -30,7 +30,7 @@ def case_train_batch(model, net, engine, ctx):
     with model.trace(micro) as tr:
         h0 = model.layers[0].output.save()
         h1 = model.layers[1].output.save()
-        model.layers[2].output = model.layers[2].output + h0
+        model.layers[2].output = model.layers[2].output + h0.detach()
         h3 = model.layers[3].output.save()
         loss = tr.loss.save()
         with tr.loss.backward():

@@ -68,7 +68,8 @@ def case_read_edit(model, net, ctx):
     with model.trace(x, target=y) as tr:
         h0 = model.layers[0].output.save()
         h1 = model.layers[1].output.save()
-        model.layers[2].output = model.layers[2].output + h0   # applied by layer 2's stage
+        # applied by layer 2's stage, with stage 0's value as a constant (see case_cross_grad)
+        model.layers[2].output = model.layers[2].output + h0.detach()
         h3 = model.layers[3].output.save()
         wide = (h3 * 1).save(dim=1)                              # microbatches joined on dim 1
         both = distgrad.save({"h3": h3, "h1": h1})              # a dict: joined per key
@@ -170,6 +171,28 @@ def case_grad_order(model, net, ctx):
         raise AssertionError("no error")
 
 
+def case_cross_grad(model, net, ctx):
+    """An edit on stage 1 built from stage 0's value (not detached): on one process its gradient
+    would reach stage 0, which the pipeline does not carry back; stage 1 refuses at the end of
+    its backward instead of leaving stage 0 with wrong gradients, and every rank raises."""
+    x, y = batch()
+    try:
+        with model.trace(x, target=y) as tr:
+            h0 = model.layers[0].output
+            model.layers[2].output = model.layers[2].output + h0
+            with tr.loss.backward():
+                pass
+    except NotImplementedError as exc:
+        if "layers[0].output.detach()" not in str(exc):
+            raise
+    except distgrad.RankFailedError as exc:  # stage 0 hears of it
+        if "NotImplementedError" not in str(exc):
+            raise
+    else:
+        raise AssertionError("no error")
+    net.zero_grad(set_to_none=True)
+
+
 def case_failure(model, net, ctx):
     rank = ctx["rank"]
     x, y = batch()
@@ -193,7 +216,8 @@ def main():
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default="all",
-                        choices=["all", "failure", "late_read", "after_loss", "grad_order"])
+                        choices=["all", "failure", "late_read", "after_loss", "grad_order",
+                                 "cross_grad"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
@@ -218,7 +242,8 @@ def main():
     ctx = {"rank": rank, "world": world, "m": args.microbatches}
     # each ends the job's group when it raises, so an error case runs last
     cases = {"all": (case_read_edit, case_out_of_order), "failure": (case_failure,),
-             "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,)}[args.cases]
+             "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,),
+             "cross_grad": (case_cross_grad,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, ctx)
 
 

@@ -70,6 +70,18 @@ def test_order_errors_raise_instead_of_hanging(case, tmp_path):
         assert result.get(f"case_{case}") == "ok", f"rank {rank}:\n{result.get(f'case_{case}')}"
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_killed_stage_is_reported(schedule, tmp_path):
+    """The last stage is SIGKILLed inside its body; the first stage raises RankFailedError
+    ("stopped answering") instead of hanging, and exits normally."""
+    procs = run_ranks([JOB, "--schedule", schedule, "--microbatches", "2", "--cases", "killed",
+                       "--out", str(tmp_path)], 2)
+    assert procs[1].returncode == -9  # the rank really died
+    assert procs[0].returncode == 0, procs[0].stdout[-3000:]
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result.get("case_killed") == "ok", result
+
+
 def test_failure_on_one_stage_reaches_all(tmp_path):
     for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, cases="failure")):
         assert result.get("case_failure") == "ok", f"rank {rank}:\n{result.get('case_failure')}"

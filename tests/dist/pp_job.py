@@ -193,6 +193,29 @@ def case_cross_grad(model, net, ctx):
     net.zero_grad(set_to_none=True)
 
 
+def case_killed(model, net, ctx):
+    """The last stage dies (SIGKILL) in its body during the step: the first stage, waiting in
+    the schedule or for a value, reports a lost rank within the failure timeout and exits
+    normally."""
+    import os
+    import signal
+    x, y = batch()
+    try:
+        with model.trace(x, target=y) as tr:
+            h1 = model.layers[1].output
+            h3 = model.layers[3].output
+            if ctx["rank"] == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            with tr.loss.backward():
+                h3.grad
+                h1.grad
+    except distgrad.RankFailedError as exc:
+        if "stopped answering" not in str(exc):
+            raise AssertionError(f"unexpected report: {exc}")
+        return
+    raise AssertionError("this rank did not notice the killed rank")
+
+
 def case_failure(model, net, ctx):
     rank = ctx["rank"]
     x, y = batch()
@@ -217,7 +240,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default="all",
                         choices=["all", "failure", "late_read", "after_loss", "grad_order",
-                                 "cross_grad"])
+                                 "cross_grad", "killed"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
@@ -243,7 +266,7 @@ def main():
     # each ends the job's group when it raises, so an error case runs last
     cases = {"all": (case_read_edit, case_out_of_order), "failure": (case_failure,),
              "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,),
-             "cross_grad": (case_cross_grad,)}[args.cases]
+             "cross_grad": (case_cross_grad,), "killed": (case_killed,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, ctx)
 
 

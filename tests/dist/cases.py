@@ -41,6 +41,22 @@ def expect_failure_of_rank1(rank: int, run, must_say=("rank 1",), within: float 
     raise AssertionError("no error reached this rank")
 
 
+def expect_error(run, error, says: str, heard: bool = True) -> None:
+    """``run()`` must raise ``error`` with ``says`` in its message on this rank or - when
+    ``heard`` - a RankFailedError naming ``error``, from a rank that raised it first."""
+    import distgrad
+    try:
+        run()
+    except error as exc:
+        if says not in str(exc):
+            raise
+    except distgrad.RankFailedError as exc:
+        if not heard or error.__name__ not in str(exc):
+            raise
+    else:
+        raise AssertionError(f"no {error.__name__}")
+
+
 def run_cases(cases, out: str, rank: int, *args) -> dict:
     """Run ``case(*args)`` for each case; ``out/rank{rank}.json`` says "ok" or the traceback,
     rewritten after every case (a rank that dies leaves what it had). Destroys the group; an

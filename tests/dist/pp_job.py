@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import distgrad
-from cases import close, expect_failure_of_rank1, run_cases  # noqa: E402  (tests/dist is the script's folder)
+from cases import close, expect_error, expect_failure_of_rank1, run_cases  # noqa: E402  (tests/dist is the script's folder)
 
 torch.set_num_threads(1)
 
@@ -96,57 +96,45 @@ def case_read_edit(model, net, ctx):
 def case_out_of_order(model, net, ctx):
     """A gradient of an earlier stage before one of a later stage raises on every rank."""
     x, y = batch()
-    try:
+
+    def run():
         with model.trace(x, target=y) as tr:
             h1 = model.layers[1].output
             h3 = model.layers[3].output
             with tr.loss.backward():
                 h1.grad
                 h3.grad
-    except distgrad.OutOfOrderError as exc:
-        if "stage" not in str(exc):
-            raise
-    except distgrad.RankFailedError as exc:  # a peer's OutOfOrderError reached it first
-        if "OutOfOrderError" not in str(exc):
-            raise
-    else:
-        raise AssertionError("no OutOfOrderError")
+
+    expect_error(run, distgrad.OutOfOrderError, "stage")
 
 
 def case_late_read(model, net, ctx):
     """A forward value read after its stage has run it for the microbatch (layers[0] after
     layers[1]): its owner raises OutOfOrderError, and no rank waits for it forever."""
     x, y = batch()
-    try:
+
+    def run():
         with model.trace(x, target=y) as tr:
             model.layers[1].output
             model.layers[0].output
             with tr.loss.backward():
                 pass
-    except distgrad.OutOfOrderError as exc:
-        if "forward order" not in str(exc):
-            raise
-    except distgrad.RankFailedError as exc:  # a rank waiting for the value hears of it
-        if "OutOfOrderError" not in str(exc):
-            raise
-    else:
-        raise AssertionError("no error")
+
+    expect_error(run, distgrad.OutOfOrderError, "forward order")
 
 
 def case_after_loss(model, net, ctx):
     """A forward value read after tr.loss (here after the backward block) raises on every rank,
     although the block is empty and the value's stage could still serve it."""
     x, y = batch()
-    try:
+
+    def run():
         with model.trace(x, target=y) as tr:
             with tr.loss.backward():
                 pass
             model.layers[0].output
-    except distgrad.OutOfOrderError as exc:
-        if "after tr.loss" not in str(exc):
-            raise
-    else:
-        raise AssertionError("no OutOfOrderError")
+
+    expect_error(run, distgrad.OutOfOrderError, "after tr.loss", heard=False)
 
 
 def case_grad_order(model, net, ctx):
@@ -154,21 +142,16 @@ def case_grad_order(model, net, ctx):
     asks for it, so the batch it sends lacks it; the rank waiting for it raises instead of
     hanging (its owner cannot end the step while it waits)."""
     x, y = batch()
-    try:
+
+    def run():
         with model.trace(x, target=y) as tr:
             h2 = model.layers[2].output
             h3 = model.layers[3].output
             with tr.loss.backward():
                 h2.grad
                 h3.grad
-    except distgrad.OutOfOrderError as exc:
-        if "did not send" not in str(exc):
-            raise
-    except distgrad.RankFailedError as exc:
-        if "OutOfOrderError" not in str(exc):
-            raise
-    else:
-        raise AssertionError("no error")
+
+    expect_error(run, distgrad.OutOfOrderError, "did not send")
 
 
 def case_cross_grad(model, net, ctx):
@@ -176,20 +159,15 @@ def case_cross_grad(model, net, ctx):
     would reach stage 0, which the pipeline does not carry back; stage 1 refuses at the end of
     its backward instead of leaving stage 0 with wrong gradients, and every rank raises."""
     x, y = batch()
-    try:
+
+    def run():
         with model.trace(x, target=y) as tr:
             h0 = model.layers[0].output
             model.layers[2].output = model.layers[2].output + h0
             with tr.loss.backward():
                 pass
-    except NotImplementedError as exc:
-        if "layers[0].output.detach()" not in str(exc):
-            raise
-    except distgrad.RankFailedError as exc:  # stage 0 hears of it
-        if "NotImplementedError" not in str(exc):
-            raise
-    else:
-        raise AssertionError("no error")
+
+    expect_error(run, NotImplementedError, "layers[0].output.detach()")
     net.zero_grad(set_to_none=True)
 
 

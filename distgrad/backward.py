@@ -155,6 +155,14 @@ def _threaded(tensor) -> bool:
     mode = config.backward_mode
     if mode == "auto":
         return tensor.device.type != "cpu" or torch.cuda.is_initialized()
+    return step_threaded()
+
+
+def step_threaded() -> bool:
+    """Whether a run that contains a backward (a pipeline step) needs a worker thread."""
+    mode = config.backward_mode
+    if mode == "auto":
+        return torch.cuda.is_initialized()
     if mode not in ("greenlet", "thread"):
         raise ValueError(f"distgrad.config.backward_mode must be 'auto', 'greenlet' or 'thread', "
                          f"not {mode!r}.")

@@ -29,7 +29,7 @@ def _job(tmp_path, schedule, microbatches, world, cases="all", split="manual", w
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_two_stages(schedule, microbatches, tmp_path):
     for rank, result in enumerate(_job(tmp_path, schedule, microbatches, 2)):
-        for case in ("case_read_edit", "case_out_of_order"):
+        for case in ("case_read_edit", "case_read_edit_thread", "case_out_of_order"):
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 
@@ -37,21 +37,21 @@ def test_values_larger_than_one_message(tmp_path):
     """[4, 2048] fp32 values (32 KiB): a batch of two of them (stage 0's outputs for stage 1)
     is longer than a first message carries and sends the rest in a second one."""
     for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, width=2048)):
-        for case in ("case_read_edit", "case_out_of_order"):
+        for case in ("case_read_edit", "case_read_edit_thread", "case_out_of_order"):
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 
 def test_stages_from_the_pipeline_frontend(tmp_path):
     """Stages built by pipeline() are traced copies of the model's modules, found by path."""
     for rank, result in enumerate(_job(tmp_path, "gpipe", 2, 2, split="frontend")):
-        for case in ("case_read_edit", "case_out_of_order"):
+        for case in ("case_read_edit", "case_read_edit_thread", "case_out_of_order"):
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 
 @pytest.mark.slow
 def test_four_stages_on_four_ranks(tmp_path):
     for rank, result in enumerate(_job(tmp_path, "1f1b", 4, 4)):
-        for case in ("case_read_edit", "case_out_of_order"):
+        for case in ("case_read_edit", "case_read_edit_thread", "case_out_of_order"):
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 

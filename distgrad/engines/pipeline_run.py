@@ -10,6 +10,7 @@ import greenlet
 import torch
 
 from .. import capture
+from ..backward import step_threaded
 from ..errors import OutOfOrderError, TraceStateError
 from ..session import BODIES, Body, Session, Stop
 from .pipeline import LossPoint, PipelineEngine, joined, only_opens_block
@@ -38,7 +39,10 @@ class PipelineRun:
         bodies = [Body(trace, index=m, scheduler=scheduler) for m in range(n)]
         for body in bodies:
             body.seq, body.last_stage, body.loss = 0, -1, None
-        self.session = session = Session("forward", lambda: engine.run_step(args, kwargs), bodies)
+        # On CUDA the schedule's backward calls tensor hooks on autograd's device threads, so
+        # the step then runs in a worker thread that accepts hand-offs from any thread.
+        self.session = session = Session("forward", lambda: engine.run_step(args, kwargs), bodies,
+                                         threaded=step_threaded())
         trace.pipeline = self
         spaces = [{**frame.f_globals, **frame.f_locals} for _ in bodies]
         glets = []

@@ -93,6 +93,16 @@ def case_read_edit(model, net, ctx):
     net.zero_grad(set_to_none=True)
 
 
+def case_read_edit_thread(model, net, ctx):
+    """The same with the step in a worker thread (what CUDA needs: the schedule's backward calls
+    tensor hooks on autograd's device threads)."""
+    distgrad.config.backward_mode = "thread"
+    try:
+        case_read_edit(model, net, ctx)
+    finally:
+        distgrad.config.backward_mode = "auto"
+
+
 def case_out_of_order(model, net, ctx):
     """A gradient of an earlier stage before one of a later stage raises on every rank."""
     x, y = batch()
@@ -242,7 +252,7 @@ def main():
     model = distgrad.wrap(schedule, full_model=net)
     ctx = {"rank": rank, "world": world, "m": args.microbatches}
     # each ends the job's group when it raises, so an error case runs last
-    cases = {"all": (case_read_edit, case_out_of_order), "failure": (case_failure,),
+    cases = {"all": (case_read_edit, case_read_edit_thread, case_out_of_order), "failure": (case_failure,),
              "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,),
              "cross_grad": (case_cross_grad,), "killed": (case_killed,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, ctx)

@@ -125,7 +125,7 @@ class Session:
         self.paused_token = None    # what views.show returned for the paused value
         self.paused_key = None      # the key the run is paused at
         self.microbatch = None      # under a pipeline schedule: the microbatch now running
-        self.covered: set = set()   # ids of modules whose enclosing modules have output points
+        self.covered: set = set()   # envoy paths whose enclosing modules have output points
         self.finished = False
 
     # -- points ---------------------------------------------------------------------------

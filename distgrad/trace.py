@@ -221,9 +221,10 @@ class Trace:
         if not covered:
             session.module_point(self.engine.root, "model", "output")
         for outer in envoy._ancestors():
-            if id(outer._module) in covered:
+            # by path, not module: a module reachable along two paths has two sets of ancestors
+            if outer._path in covered:
                 break
-            covered.add(id(outer._module))
+            covered.add(outer._path)
             if not isinstance(outer._module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
                 session.module_point(outer._module, outer._path, "output")
         return point

@@ -123,6 +123,44 @@ def test_repeated_calls_and_module_dict():
                                atol=ATOL, rtol=0)
 
 
+class _Pair(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.x, self.y = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, h):
+        return self.y(self.x(h))
+
+
+class _SharedTwice(torch.nn.Module):
+    """One block instance under two parents: model.A[0] and model.B[0] are the same module."""
+
+    def __init__(self):
+        super().__init__()
+        shared = _Pair()
+        self.A = torch.nn.Sequential(shared, torch.nn.ReLU())
+        self.B = torch.nn.Sequential(shared, torch.nn.Tanh())
+
+    def forward(self, h):
+        return self.B(self.A(h))
+
+
+def test_enclosing_outputs_of_a_module_shared_by_two_parents():
+    """Reading inside the shared block through B must still hook B itself before the run
+    enters it, although the block's own ancestors through A were hooked already."""
+    torch.manual_seed(0)
+    net, x = _SharedTwice(), torch.randn(2, 4)
+    model = distgrad.wrap(net)
+    with model.trace(x):
+        model.A[0].x.output                      # hooks A[0] (the shared block), A, the root
+        y1 = model.B[0].y.call(1).output.save()  # y's second call, inside B
+        b = model.B.output.save()
+    with torch.no_grad():
+        a = net.A(x)
+        torch.testing.assert_close(y1, net.B[0].y(net.B[0].x(a)), atol=ATOL, rtol=0)
+        torch.testing.assert_close(b, net.B(a), atol=ATOL, rtol=0)
+
+
 def test_text_list_dict_and_tensor_inputs(gpt2, tokenizer):
     model = distgrad.wrap(gpt2, tokenizer=tokenizer)
     enc = _enc(tokenizer, ["ab", "abcd"])

@@ -54,7 +54,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--backward-mode", default="auto", help="distgrad.config.backward_mode")
     args = parser.parse_args()
+    distgrad.config.backward_mode = args.backward_mode
     import deepspeed
     from deepspeed.pipe import PipelineModule
     distgrad.config.failure_timeout = 3.0

@@ -86,6 +86,9 @@ class PipelineEngine(DistributedEngine):
                                       f"stages on {dist.get_world_size()} ranks.")
         super().__init__(full_model, group=dist.group.WORLD, gather=False)
         self.full = full_model
+        # values received from other stages are placed where this stage's parameters live
+        first = next(submod.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
         # This stage's modules, as the whole model names them: the very objects after a manual
         # split; copies under the same names after the pipeline() frontend (which traces the
         # model into new modules but keeps the paths)

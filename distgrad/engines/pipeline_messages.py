@@ -56,8 +56,9 @@ class Messages:
         if value.dim() > _META - 5:
             raise ValueError(f"distgrad sends tensors of at most {_META - 5} dimensions between "
                              f"pipeline stages, not {value.dim()}.")
-        # its bytes now: the body may edit the value in place before the batch goes
-        data = value.detach().contiguous()
+        # its bytes now: the body may edit the value in place before the batch goes (gloo and
+        # the packing work on host memory: a GPU value is copied to the host here)
+        data = value.detach().cpu().contiguous()
         raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
         raw += bytes(_round(len(raw)) - len(raw))
         entry = ([tag, _CODE[data.dtype], int(value.requires_grad), data.dim(), *data.shape,
@@ -127,6 +128,7 @@ class Messages:
                                     offset=at).view(shape).clone() if nbytes else \
                 torch.empty(shape, dtype=dtype)
             # a graph of its own: editable in place, and `with x.backward():` accepts it
+            data = data.to(self.engine.device)  # where this rank's stage computes
             self.got[(src, tag)] = data.requires_grad_(True).clone() if grad else data
             at += _round(nbytes)
         _SPARE.append(buf)  # its values are copied out: the next receive may reuse it

@@ -141,10 +141,6 @@ class Session:
             entry = self.points[id(tensor)] = (tensor, GradPoint(self, tensor))
         return entry[1]
 
-    # -- the run side ---------------------------------------------------------------------
-    def fire(self, key, value):
-        return self.hand(key, value)
-
     # -- the body side --------------------------------------------------------------------
     def request(self, body: Body, key, passed_message, rows=_UNSET, tensor=None,
                 local: bool = False) -> Stop:
@@ -211,10 +207,6 @@ class Session:
         for point in self.points.values():
             (point[1] if isinstance(point, tuple) else point).remove()
         self.points.clear()
-
-    @staticmethod
-    def kind_of(key) -> str:
-        return key[0].kind
 
     def _show(self, key, value):
         point = key[0]

@@ -90,7 +90,7 @@ class PipelineRun:
 
         def on_loss(microbatch, loss):
             if (self.loss_point, microbatch) in session.wanted:
-                session.fire((self.loss_point, microbatch), loss)
+                session.hand((self.loss_point, microbatch), loss)
 
         session.microbatch = -1
         return self.engine.instrument(on_chunk, on_loss)
@@ -111,7 +111,7 @@ class PipelineRun:
     def _event(self, key) -> None:
         self.fired.add(key)
         if key in self.waiting or key in self.session.wanted:
-            self.session.fire((_PHASES[key[0]], key[1]), None)
+            self.session.hand((_PHASES[key[0]], key[1]), None)
 
     # -- the scheduler ----------------------------------------------------------------------
     def _schedule(self, bodies, glets) -> None:

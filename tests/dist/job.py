@@ -137,6 +137,47 @@ def case_saves(model, wrapped, rank, world):
             assert torch.equal(tokens, ids), "int64 save next to a float save"
 
 
+def forward_ref(net, ids):
+    """One process: the outputs of h[0] and h[1] and the logits, without gradients."""
+    seen = {}
+    hooks = [net.transformer.h[i].register_forward_hook(
+        lambda m, a, o, i=i: seen.__setitem__(i, o[0] if isinstance(o, tuple) else o))
+        for i in range(2)]
+    with torch.no_grad():
+        logits = net(ids).logits
+    for hook in hooks:
+        hook.remove()
+    return seen[0], seen[1], logits
+
+
+def case_steady_saves(model, wrapped, rank, world):
+    """A training loop's saves: one layout again and again (from its third trace the ranks'
+    bytes are received straight into the saved values, bound while the collective runs), a rank
+    whose batch shrinks for one step (every rank must notice and fall back), values smaller
+    than the header, and gather='all'. New data every step, so a stale value cannot pass."""
+    net = build()
+    kinds = ["wide"] * 4 + ["odd"] + ["wide"] * 3 + ["small"] * 4 + ["all"] * 4
+    for step, kind in enumerate(kinds):
+        sizes = [2] + [1] * (world - 1) if kind == "odd" else [2] * world
+        ids = torch.randint(0, 384, (sum(sizes), 8), generator=torch.Generator().manual_seed(step))
+        mode = "all" if kind == "all" else "rank0"
+        with model.trace(ids[rows_of(rank, sizes)]):
+            h0, h1 = (model.transformer.h[i].output for i in range(2))
+            h0, h1 = (h[0] if isinstance(h, tuple) else h for h in (h0, h1))
+            logits = model.output.logits
+            if kind == "small":  # [2, 2] floats: 16 bytes a value
+                saved = [logits[:, -1, i:i + 2].save() for i in range(3)]
+            else:
+                saved = [h0.save(gather=mode), h1.save(gather=mode), logits[..., :64].save(gather=mode)]
+        ref0, ref1, ref_logits = forward_ref(net, ids)
+        refs = ([ref_logits[:, -1, i:i + 2] for i in range(3)] if kind == "small"
+                else [ref0, ref1, ref_logits[..., :64]])
+        for i, (got, ref) in enumerate(zip(saved, refs)):
+            if rank != 0 and mode == "rank0":
+                ref = ref[rows_of(rank, sizes)]
+            close(got, ref, f"save {i} of step {step} ({kind})")
+
+
 def case_uneven(model, wrapped, rank, world):
     sizes = [2] + [1] * (world - 1)
     ids = global_ids(sum(sizes))
@@ -226,7 +267,7 @@ def case_killed(model, wrapped, rank, world):
     expect_error(run, distgrad.RankFailedError, "stopped answering", heard=False)
 
 
-CASES = {"all": [case_read_edit, case_saves, case_uneven, case_watch_only_in_traces, case_param_write,
+CASES = {"all": [case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
                  case_rank_dependent_save, case_failure],
          "killed": [case_killed]}
 

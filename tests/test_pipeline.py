@@ -61,11 +61,14 @@ def test_late_forward_read_raises_instead_of_hanging(schedule, tmp_path):
         assert result.get("case_late_read") == "ok", f"rank {rank}:\n{result.get('case_late_read')}"
 
 
-@pytest.mark.parametrize("case", ["after_loss", "grad_order", "cross_grad"])
+@pytest.mark.parametrize("case", ["after_loss", "grad_order", "cross_grad", "rank_dependent",
+                                  "rank_dependent_grad"])
 def test_order_errors_raise_instead_of_hanging(case, tmp_path):
     """A forward value after tr.loss (every rank raises); gradients of one stage in forward order
     (the rank missing the second raises, its owner hears of it); an edit whose gradient would
-    have to flow back to an earlier stage (that stage raises, the other hears of it)."""
+    have to flow back to an earlier stage (that stage raises, the other hears of it); bodies
+    that ask for different values on different ranks (a value sent that nobody receives, a
+    gradient waited for that its owner never asked for)."""
     for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, cases=case)):
         assert result.get(f"case_{case}") == "ok", f"rank {rank}:\n{result.get(f'case_{case}')}"
 

@@ -100,9 +100,16 @@ class PipelineEngine(DistributedEngine):
                           if n and n in by_name}
         names = [n for n, m in full_model.named_modules() if id(m) in self.local]
         table = [None] * dist.get_world_size()
-        dist.all_gather_object(table, (stage_index, names))
-        self.stage_of_name = {n: s for s, ns in table for n in ns}
-        self.rank_of_stage = {s: r for r, (s, _) in enumerate(table)}
+        dist.all_gather_object(table, (stage_index, names, self._can_carry()))
+        self.stage_of_name = {n: s for s, ns, _ in table for n in ns}
+        self.rank_of_stage = {s: r for r, (s, _, _) in enumerate(table)}
+        # Neighbours whose own activation messages also carry distgrad's values (carry());
+        # decided from every rank's answer, so both ends of a link agree.
+        can = {s: c for s, _, c in table}
+        self.carry_to = self.rank_of_stage[stage_index + 1] \
+            if can[stage_index] and can.get(stage_index + 1) else None
+        self.carry_from = self.rank_of_stage[stage_index - 1] \
+            if can[stage_index] and can.get(stage_index - 1) else None
         self.names = {id(m): n for n, m in full_model.named_modules()}
         self.my_stage = stage_index
         self.last_stage = num_stages - 1
@@ -148,6 +155,38 @@ class PipelineEngine(DistributedEngine):
             for obj, name in ((stage, "forward_one_chunk"), (stage, "backward_one_chunk"),
                               (schedule, "_maybe_compute_loss")):
                 obj.__dict__.pop(name, None)
+        return restore
+
+    def _can_carry(self) -> bool:
+        """Whether this stage's activation messages can carry distgrad's bytes: host tensors on
+        a gloo group (the values are packed in host memory)."""
+        group = getattr(self, "stage", None) and (self.stage.group or dist.group.WORLD)
+        return bool(group) and self.device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+    def carry(self, messages):
+        """Make the schedule's messages between neighbouring stages carry distgrad's values for
+        the receiving stage and microbatch: activations to the next stage, input gradients to
+        the previous one (``messages.outgoing``; receives get room for them,
+        ``messages.incoming``). A value then costs no message of its own, and a batch always
+        arrives. Returns the undo, or None where no link carries."""
+        if self.carry_to is None and self.carry_from is None:
+            return None
+        stage, names = self.stage, []
+
+        def patch(name, phase, wrap):
+            real = getattr(stage, name)
+            setattr(stage, name, lambda chunk: wrap(phase, chunk, real(chunk)))
+            names.append(name)
+        if self.carry_to is not None:  # activations out, gradients in
+            patch("get_fwd_send_ops", "F", messages.outgoing)
+            patch("get_bwd_recv_ops", "B", messages.incoming)
+        if self.carry_from is not None:  # activations in, gradients out
+            patch("get_fwd_recv_ops", "F", messages.incoming)
+            patch("get_bwd_send_ops", "B", messages.outgoing)
+
+        def restore():
+            for name in names:
+                stage.__dict__.pop(name, None)
         return restore
 
     @property

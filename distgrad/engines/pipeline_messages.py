@@ -18,11 +18,13 @@ sender reaches the receiver instead of leaving it waiting.
 from __future__ import annotations
 
 import struct
+import zlib
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
-from ..errors import OutOfOrderError
+from ..errors import OutOfOrderError, TraceStateError
 from .collective import _CODE, _DTYPES
 
 _CAP = 1 << 16    # bytes of a batch in its first message
@@ -41,6 +43,13 @@ class Messages:
 
     def __init__(self, engine):
         self.engine, self.channel = engine, engine.channel
+        self.carry_to = getattr(engine, "carry_to", None)      # see PipelineEngine.carry
+        self.carry_from = getattr(engine, "carry_from", None)
+        self.carried: dict = {}   # microbatch -> (the schedule's buffer, the buffer received)
+        # What went and came on the channel, by peer: compared across ranks when the step ends
+        self.sent_to: dict = {}   # dst -> [tags of batches sent]
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.told = False         # whether this rank's sends are in the store (see _agree)
         self.outbox: dict = {}    # key -> {dst: [(tag, copy of the value)]}
         self.sent: set = set()    # keys whose batches have gone
         self.pending: list = []   # send works and their buffers, until finish()
@@ -71,31 +80,103 @@ class Messages:
     def flush(self, key) -> None:
         """Send batch ``key`` to each rank that has values in it."""
         self.sent.add(key)
-        for dst, entries in self.outbox.pop(key, {}).items():
-            data = _pack(entries)  # sent from the bytes as they are: keep them until it went
+        batches = self.outbox.pop(key, {})
+        carrier = None if key == "end" else self.carry_to if key[0] == "F" else self.carry_from
+        if carrier is not None:  # that one goes with the schedule's message (outgoing)
+            self.outbox[key] = {carrier: batches.pop(carrier, [])}
+        for dst, entries in batches.items():
+            self._send(_pack(entries), dst, key)
+
+    def _send(self, data: torch.Tensor, dst: int, key, carried: bool = False) -> None:
+        # sent from the bytes as they are: keep them until it went. A carried batch went with
+        # the activation, up to _CAP bytes: only a longer one's rest goes here.
+        if not carried:
+            self.sent_to.setdefault(dst, []).append(_tag(key, 0))
             self.pending.append((data, self.channel.send([data[:_CAP]], dst, _tag(key, 0))))
-            if data.numel() > _CAP:
-                self.pending.append((data, self.channel.send([data[_CAP:]], dst, _tag(key, 1))))
+        if data.numel() > _CAP:
+            self.pending.append((data, self.channel.send([data[_CAP:]], dst, _tag(key, 1))))
+
+    # -- values that travel with the schedule's own messages (PipelineEngine.carry) -----------
+    # Forward: activations to the next stage carry ("F", m) batches for it; backward: input
+    # gradients to the previous stage carry ("B", m) batches. Each such message carries one,
+    # empty or not, so a receiver never waits for a batch that does not come.
+    def outgoing(self, phase: str, chunk: int, ops: list) -> list:
+        """The schedule's sends of ``chunk`` in ``phase``, the last one to the neighbour replaced
+        by one message of its bytes followed by this rank's batch for that rank (maybe empty)."""
+        key, dst = (phase, chunk), self.carry_to if phase == "F" else self.carry_from
+        data = _pack(self.outbox.pop(key, {}).get(dst, []))
+        at = max((i for i, op in enumerate(ops) if op.peer == dst), default=None)
+        if at is None:  # nothing of the schedule's goes there: send the batch on its own
+            self._send(data, dst, key)
+            return ops
+        op = ops[at]
+        head = op.tensor.detach().reshape(-1).view(torch.uint8)
+        both = torch.empty(head.numel() + min(data.numel(), _CAP), dtype=torch.uint8)
+        both[:head.numel()].copy_(head)
+        both[head.numel():].copy_(data[:_CAP])
+        self.pending.append((both, None))
+        self._send(data, dst, key, carried=True)
+        return ops[:at] + [dist.P2POp(op.op, both, op.peer, op.group, op.tag)] + ops[at + 1:]
+
+    def incoming(self, phase: str, chunk: int, ops: list) -> list:
+        """The schedule's receives of ``chunk`` in ``phase``, the last one from the neighbour
+        received into a buffer with room for that rank's batch after the schedule's bytes."""
+        key, src = (phase, chunk), self._carrier(phase)
+        at = max((i for i, op in enumerate(ops) if op.peer == src), default=None)
+        if at is None:  # the sender's ``outgoing`` found no message of the schedule's either
+            buf = torch.empty(_CAP, dtype=torch.uint8)
+            self.posted[(src, key)] = [buf, self.channel.recv([buf], src, _tag(key, 0))]
+            return ops
+        op = ops[at]
+        size = op.tensor.numel() * op.tensor.element_size()
+        both = torch.empty(size + _CAP, dtype=torch.uint8)
+        self.carried[key] = (op.tensor, both)
+        return ops[:at] + [dist.P2POp(op.op, both, op.peer, op.group, op.tag)] + ops[at + 1:]
+
+    def arrived(self, phase: str, chunk: int) -> None:
+        """As this stage starts ``chunk`` in ``phase`` (the schedule has waited for its
+        receives): hand the schedule its bytes and unpack the batch that came with them."""
+        key = (phase, chunk)
+        found = self.carried.pop(key, None)
+        if found is None:
+            return
+        buffer, both = found
+        size = buffer.numel() * buffer.element_size()
+        buffer.detach().reshape(-1).view(torch.uint8).copy_(both[:size])
+        src = self._carrier(phase)
+        entry = self.posted[(src, key)] = [both[size:], None, "carried"]
+        self._parse(src, key, entry[0])
+
+    def _carrier(self, phase: str):
+        """The rank whose messages of ``phase`` to this one carry batches, if any."""
+        return self.carry_from if phase == "F" else self.carry_to
 
     def finish(self) -> None:
-        """Send what is left (the ``"end"`` batches) and wait until every send was received."""
+        """Send what is left (the ``"end"`` batches), check with every rank that each batch sent
+        on the channel has a receiver, and wait until every send was received."""
         for key in list(self.outbox):
             self.flush(key)
+        self._agree()
         for _, work in self.pending:
-            self._wait(work)
+            if work is not None:
+                self._wait(work)
         self.pending.clear()
 
     # -- the receiver ------------------------------------------------------------------------
     def expect(self, src: int, key) -> None:
         """Post the receive of ``src``'s batch ``key`` now, so that it arrives in the background."""
         if (src, key) not in self.posted:
+            if key != "end" and src == self._carrier(key[0]):
+                return  # it comes with the schedule's message (incoming, arrived)
             buf = _SPARE.pop() if _SPARE else torch.empty(_CAP, dtype=torch.uint8)
             self.posted[(src, key)] = [buf, self.channel.recv([buf], src, _tag(key, 0))]
 
     def take(self, src: int, key, tag: int) -> torch.Tensor:
         """The value ``tag`` of ``src``'s batch ``key``, waiting for the batch if need be."""
         self.expect(src, key)
-        entry = self.posted[(src, key)]
+        entry = self.posted.get((src, key))
+        if entry is None:  # a carried batch is unpacked before its event: not reached
+            raise RuntimeError(f"distgrad: batch {key} of rank {src} was taken before it came.")
         if entry[1] is not None:
             self._unpack(src, key, entry)
         value = self.got.pop((src, tag), None)
@@ -103,15 +184,21 @@ class Messages:
             # The owner's body asked for it only after the chunk that would have produced it
             # (so it raises there too), or the bodies differ: waiting would never end.
             raise OutOfOrderError(
-                f"rank {src} did not send a value this body asked for (batch {key}): its stage "
-                f"had passed it when its own body asked for it. In a pipeline, request values in "
-                f"forward order, stage by stage, and gradients in reverse.")
+                f"rank {src} did not send a value this body asked for (batch {key}): either its "
+                f"stage had passed it when its own body asked for it (in a pipeline, request "
+                f"values in forward order, stage by stage, and gradients in reverse), or its body "
+                f"never asked for it (keep requests out of rank-dependent branches such as "
+                f"`if rank == 0:`).")
         return value
 
     def _unpack(self, src: int, key, entry) -> None:
         buf, work = entry
-        self._wait(work)
+        self._wait(work, waiting_for=(src, key))
         entry[1] = None
+        self._parse(src, key, buf)
+        _SPARE.append(buf)  # its values are copied out: the next receive may reuse it
+
+    def _parse(self, src: int, key, buf: torch.Tensor) -> None:
         view = memoryview(buf.numpy())
         total, count = struct.unpack_from("<2q", view)
         if total > _CAP:
@@ -131,9 +218,50 @@ class Messages:
             data = data.to(self.engine.device)  # where this rank's stage computes
             self.got[(src, tag)] = data.requires_grad_(True).clone() if grad else data
             at += _round(nbytes)
-        _SPARE.append(buf)  # its values are copied out: the next receive may reuse it
 
-    def _wait(self, work) -> None:
+    # -- bodies that ask for different values on different ranks ------------------------------
+    # Every rank runs the same body, so the batches one rank sends another are those the other
+    # receives. A body with rank-dependent requests (``if rank == 0: x = model.layers[3].output``)
+    # breaks that: a send nobody receives, or a receive nobody sends, would wait forever. So
+    # when its step ends every rank compares, in one small all_gather, what it sent each peer
+    # with what that peer received, and all raise alike if they differ. A rank that waits in
+    # vain for a batch of a peer that has finished its step finds out from the peer's list of
+    # sends, which a rank whose end-of-step check takes long writes to the job's store.
+    def _agree(self) -> None:
+        mine = torch.zeros(3, self.world, dtype=torch.int64)
+        mine[2, 0] = len(self.got)  # values a peer sent for requests this body did not make
+        got: dict = {}
+        for (src, key), entry in self.posted.items():
+            if len(entry) < 3:  # (carried batches always arrive: the schedule waits for them)
+                got.setdefault(src, []).append(_tag(key, 0))
+        for peer in range(self.world):
+            mine[0, peer] = _digest(self.sent_to.get(peer, ()))
+            mine[1, peer] = _digest(got.get(peer, ()))
+        table = torch.zeros(self.world, 3, self.world, dtype=torch.int64)
+        self._wait(self.channel.allgather([list(table.unbind(0))], [mine]), ending=True)
+        wrong = [f"rank {s} sent rank {r} {int(table[s, 0, r]) >> 32} batch(es), rank {r} asked "
+                 f"for {int(table[r, 1, s]) >> 32}" for s in range(self.world)
+                 for r in range(self.world) if s != r and table[s, 0, r] != table[r, 1, s]]
+        wrong += [f"rank {r} got {int(table[r, 2, 0])} value(s) its body did not ask for"
+                  for r in range(self.world) if table[r, 2, 0]]
+        if wrong:
+            raise TraceStateError(_MISMATCH + "; ".join(wrong) + ").")
+
+    def _published(self, src: int):
+        """The tags ``src`` sent this rank, if ``src`` has finished its step and said so."""
+        store, key = self.engine._store, f"{self._sends_key()}/{src}/{self.rank}"
+        try:
+            if not store.check([key]):
+                return None
+            sent = store.get(key).decode()
+        except Exception:
+            return None
+        return {int(t) for t in sent.split(",") if t} if sent != "?" else set()
+
+    def _sends_key(self) -> str:
+        return f"distgrad/pipeline-sends/{self.engine._traces + 1}"
+
+    def _wait(self, work, ending: bool = False, waiting_for=None) -> None:
         from ..backward import config
         while True:
             try:
@@ -145,6 +273,30 @@ class Messages:
             found = self.engine._watch.read(self.engine._key_now())
             if found is not None:
                 raise RuntimeError(f"Connection closed: {found[1]}")
+            if ending and not self.told:  # tell a peer waiting for a batch that none is coming
+                self.told = True
+                for dst in range(self.world):
+                    tags = ",".join(map(str, self.sent_to.get(dst, ()))) or "?"
+                    self.engine._store.set(f"{self._sends_key()}/{self.rank}/{dst}", tags)
+            elif waiting_for is not None:
+                src, key = waiting_for
+                sent = self._published(src)
+                if sent is not None and _tag(key, 0) not in sent:
+                    raise TraceStateError(
+                        _MISMATCH + f"this rank, {self.rank}, waits for values of batch {key} "
+                        f"that rank {src} did not send: its body did not ask for them).")
+
+
+_MISMATCH = ("the pipeline body asked for different values on different ranks (every rank runs "
+             "the body and serves the same requests: keep requests such as `.output` and `.grad` "
+             "out of rank-dependent branches like `if rank == 0:`, and branch on the values "
+             "instead; ")
+
+
+def _digest(tags) -> int:
+    """The number of ``tags`` and a checksum of them, as one int64 every rank computes alike."""
+    tags = sorted(tags)
+    return (len(tags) << 32) | zlib.crc32(struct.pack(f"<{len(tags)}q", *tags))
 
 
 def _round(n: int) -> int:

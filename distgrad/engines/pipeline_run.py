@@ -74,6 +74,9 @@ class PipelineRun:
 
         @contextlib.contextmanager
         def on_chunk(phase, microbatch):
+            # the schedule has received this chunk's inputs, and with them the values its
+            # neighbour sent along (Messages.arrived)
+            self.messages.arrived(phase, microbatch)
             self._event((phase, microbatch))
             session.microbatch = microbatch if phase == "F" else -1
             try:
@@ -93,7 +96,16 @@ class PipelineRun:
                 session.hand((self.loss_point, microbatch), loss)
 
         session.microbatch = -1
-        return self.engine.instrument(on_chunk, on_loss)
+        undo = self.engine.instrument(on_chunk, on_loss)
+        carry = getattr(self.engine, "carry", None)
+        undo_carry = carry(self.messages) if carry is not None else None
+        if undo_carry is None:
+            return undo
+
+        def restore():
+            undo_carry()
+            undo()
+        return restore
 
     def _check_earlier(self, microbatch: int) -> None:
         """One process would carry the gradient of a value this stage received from an earlier

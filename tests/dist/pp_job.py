@@ -181,6 +181,36 @@ def case_cross_grad(model, net, ctx):
     net.zero_grad(set_to_none=True)
 
 
+def case_rank_dependent(model, net, ctx):
+    """Each stage reads only its own layer (`if rank == 0`): each owner sends its value to the
+    other rank, whose body never asks for it. Every rank raises at the end of the step instead of
+    waiting for its sends to be received."""
+    x, y = batch()
+
+    def run():
+        with model.trace(x, target=y) as tr:
+            model.layers[1 if ctx["rank"] == 0 else 3].output
+            with tr.loss.backward():
+                pass
+
+    expect_error(run, distgrad.TraceStateError, "different values on different ranks")
+
+
+def case_rank_dependent_grad(model, net, ctx):
+    """Only the last stage asks for stage 0's gradient: it waits for a batch stage 0 never
+    sends; it raises once stage 0 has ended its step and said what it sent, and stage 0 hears."""
+    x, y = batch()
+
+    def run():
+        with model.trace(x, target=y) as tr:
+            h = model.layers[1].output
+            with tr.loss.backward():
+                if ctx["rank"] == ctx["world"] - 1:
+                    h.grad
+
+    expect_error(run, distgrad.TraceStateError, "did not send")
+
+
 def case_killed(model, net, ctx):
     """The last stage dies (SIGKILL) in its body during the step: the first stage, waiting in
     the schedule or for a value, reports a lost rank within the failure timeout and exits
@@ -226,7 +256,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default="all",
                         choices=["all", "failure", "late_read", "after_loss", "grad_order",
-                                 "cross_grad", "killed"])
+                                 "cross_grad", "killed", "rank_dependent", "rank_dependent_grad"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
@@ -252,7 +282,9 @@ def main():
     # each ends the job's group when it raises, so an error case runs last
     cases = {"all": (case_read_edit, case_read_edit_thread, case_out_of_order), "failure": (case_failure,),
              "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,),
-             "cross_grad": (case_cross_grad,), "killed": (case_killed,)}[args.cases]
+             "cross_grad": (case_cross_grad,), "killed": (case_killed,),
+             "rank_dependent": (case_rank_dependent,),
+             "rank_dependent_grad": (case_rank_dependent_grad,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, ctx)
 
 

@@ -31,6 +31,7 @@ _CAP = 1 << 16    # bytes of a batch in its first message
 _META = 14        # int64s per value: tag, dtype code, requires_grad, ndim, shape (9), nbytes
 _ALIGN = 16       # payloads start at multiples of this, so that they view as any dtype
 _SPARE: list = []  # receive buffers whose batches are unpacked, for the next receives
+_SPARE_BOTH: dict = {}  # the same for carried batches, by the size of the schedule's bytes
 
 
 def _tag(key, part: int) -> int:
@@ -104,34 +105,40 @@ class Messages:
         """The schedule's sends of ``chunk`` in ``phase``, the last one to the neighbour replaced
         by one message of its bytes followed by this rank's batch for that rank (maybe empty)."""
         key, dst = (phase, chunk), self.carry_to if phase == "F" else self.carry_from
-        data = _pack(self.outbox.pop(key, {}).get(dst, []))
-        at = max((i for i, op in enumerate(ops) if op.peer == dst), default=None)
+        entries = self.outbox.pop(key, {}).get(dst)
+        data = _pack(entries) if entries else _EMPTY
+        at = _last_with(ops, dst)
         if at is None:  # nothing of the schedule's goes there: send the batch on its own
             self._send(data, dst, key)
             return ops
         op = ops[at]
         head = op.tensor.detach().reshape(-1).view(torch.uint8)
-        both = torch.empty(head.numel() + min(data.numel(), _CAP), dtype=torch.uint8)
-        both[:head.numel()].copy_(head)
-        both[head.numel():].copy_(data[:_CAP])
+        size = head.numel()
+        both = torch.empty(size + min(data.numel(), _CAP), dtype=torch.uint8)
+        both[:size].copy_(head)
+        both[size:].copy_(data[:_CAP])
         self.pending.append((both, None))
-        self._send(data, dst, key, carried=True)
-        return ops[:at] + [dist.P2POp(op.op, both, op.peer, op.group, op.tag)] + ops[at + 1:]
+        if data.numel() > _CAP:
+            self._send(data, dst, key, carried=True)
+        op.tensor = both  # (the op is the schedule's own, made for this one message)
+        return ops
 
     def incoming(self, phase: str, chunk: int, ops: list) -> list:
         """The schedule's receives of ``chunk`` in ``phase``, the last one from the neighbour
         received into a buffer with room for that rank's batch after the schedule's bytes."""
         key, src = (phase, chunk), self._carrier(phase)
-        at = max((i for i, op in enumerate(ops) if op.peer == src), default=None)
+        at = _last_with(ops, src)
         if at is None:  # the sender's ``outgoing`` found no message of the schedule's either
             buf = torch.empty(_CAP, dtype=torch.uint8)
             self.posted[(src, key)] = [buf, self.channel.recv([buf], src, _tag(key, 0))]
             return ops
         op = ops[at]
         size = op.tensor.numel() * op.tensor.element_size()
-        both = torch.empty(size + _CAP, dtype=torch.uint8)
+        spare = _SPARE_BOTH.get(size)
+        both = spare.pop() if spare else torch.empty(size + _CAP, dtype=torch.uint8)
         self.carried[key] = (op.tensor, both)
-        return ops[:at] + [dist.P2POp(op.op, both, op.peer, op.group, op.tag)] + ops[at + 1:]
+        op.tensor = both
+        return ops
 
     def arrived(self, phase: str, chunk: int) -> None:
         """As this stage starts ``chunk`` in ``phase`` (the schedule has waited for its
@@ -144,8 +151,9 @@ class Messages:
         size = buffer.numel() * buffer.element_size()
         buffer.detach().reshape(-1).view(torch.uint8).copy_(both[:size])
         src = self._carrier(phase)
-        entry = self.posted[(src, key)] = [both[size:], None, "carried"]
-        self._parse(src, key, entry[0])
+        self.posted[(src, key)] = [None, None, "carried"]
+        self._parse(src, key, both[size:])
+        _SPARE_BOTH.setdefault(size, []).append(both)  # its values are copied out
 
     def _carrier(self, phase: str):
         """The rank whose messages of ``phase`` to this one carry batches, if any."""
@@ -299,6 +307,14 @@ def _digest(tags) -> int:
     return (len(tags) << 32) | zlib.crc32(struct.pack(f"<{len(tags)}q", *tags))
 
 
+def _last_with(ops: list, peer: int):
+    """The index of the last of the schedule's ops with ``peer``, or None."""
+    for i in range(len(ops) - 1, -1, -1):
+        if ops[i].peer == peer:
+            return i
+    return None
+
+
 def _round(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -312,3 +328,6 @@ def _pack(entries: list) -> torch.Tensor:
     for _, raw in entries:
         out += raw
     return torch.frombuffer(out, dtype=torch.uint8)
+
+
+_EMPTY = _pack([])  # a batch with no values: what a carrying message brings most often

@@ -99,18 +99,21 @@ class Messages:
 
     # -- values that travel with the schedule's own messages (PipelineEngine.carry) -----------
     # Forward: activations to the next stage carry ("F", m) batches for it; backward: input
-    # gradients to the previous stage carry ("B", m) batches. Each such message carries one,
-    # empty or not, so a receiver never waits for a batch that does not come.
+    # gradients to the previous stage carry ("B", m) batches. Every such message is received
+    # with room for a batch, and a message that brings none means an empty one, so a receiver
+    # never waits for a batch that does not come.
     def outgoing(self, phase: str, chunk: int, ops: list) -> list:
         """The schedule's sends of ``chunk`` in ``phase``, the last one to the neighbour replaced
-        by one message of its bytes followed by this rank's batch for that rank (maybe empty)."""
+        by one message of its bytes followed by this rank's batch for that rank, if any."""
         key, dst = (phase, chunk), self.carry_to if phase == "F" else self.carry_from
         entries = self.outbox.pop(key, {}).get(dst)
-        data = _pack(entries) if entries else _EMPTY
         at = _last_with(ops, dst)
         if at is None:  # nothing of the schedule's goes there: send the batch on its own
-            self._send(data, dst, key)
+            self._send(_pack(entries or []), dst, key)
             return ops
+        if not entries:  # the message as the schedule made it: the receiver sees no batch
+            return ops
+        data = _pack(entries)
         op = ops[at]
         head = op.tensor.detach().reshape(-1).view(torch.uint8)
         size = head.numel()
@@ -135,8 +138,13 @@ class Messages:
         op = ops[at]
         size = op.tensor.numel() * op.tensor.element_size()
         spare = _SPARE_BOTH.get(size)
-        both = spare.pop() if spare else torch.empty(size + _CAP, dtype=torch.uint8)
-        self.carried[key] = (op.tensor, both)
+        if spare:
+            both, view = spare.pop()
+        else:
+            both = torch.empty(size + _CAP, dtype=torch.uint8)
+            view = memoryview(both.numpy())
+        struct.pack_into("<q", view, size, -1)  # a batch's length; stays -1 if none comes along
+        self.carried[key] = (op.tensor, both, view)
         op.tensor = both
         return ops
 
@@ -147,13 +155,14 @@ class Messages:
         found = self.carried.pop(key, None)
         if found is None:
             return
-        buffer, both = found
+        buffer, both, view = found
         size = buffer.numel() * buffer.element_size()
-        buffer.detach().reshape(-1).view(torch.uint8).copy_(both[:size])
+        buffer.detach().view(-1).view(torch.uint8).copy_(both[:size])
         src = self._carrier(phase)
         self.posted[(src, key)] = [None, None, "carried"]
-        self._parse(src, key, both[size:])
-        _SPARE_BOTH.setdefault(size, []).append(both)  # its values are copied out
+        if struct.unpack_from("<q", view, size)[0] != -1:
+            self._parse(src, key, both[size:])
+        _SPARE_BOTH.setdefault(size, []).append((both, view))  # its values are copied out
 
     def _carrier(self, phase: str):
         """The rank whose messages of ``phase`` to this one carry batches, if any."""
@@ -329,5 +338,3 @@ def _pack(entries: list) -> torch.Tensor:
         out += raw
     return torch.frombuffer(out, dtype=torch.uint8)
 
-
-_EMPTY = _pack([])  # a batch with no values: what a carrying message brings most often

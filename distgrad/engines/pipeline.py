@@ -110,6 +110,7 @@ class PipelineEngine(DistributedEngine):
             if can[stage_index] and can.get(stage_index + 1) else None
         self.carry_from = self.rank_of_stage[stage_index - 1] \
             if can[stage_index] and can.get(stage_index - 1) else None
+        self.carry_room: dict = {}  # (phase, microbatch) -> a receive buffer with room
         self.names = {id(m): n for n, m in full_model.named_modules()}
         self.my_stage = stage_index
         self.last_stage = num_stages - 1
@@ -173,18 +174,21 @@ class PipelineEngine(DistributedEngine):
             return None
         stage, names = self.stage, []
 
-        def patch(name, phase, wrap):
+        def patch(name, phase, wrap, *records):
             real = getattr(stage, name)
-            setattr(stage, name, lambda chunk: wrap(phase, chunk, real(chunk)))
+            setattr(stage, name, lambda chunk: wrap(phase, chunk, real(chunk), *(
+                getattr(stage, r).get(chunk, ()) if isinstance(getattr(stage, r), dict) else
+                getattr(stage, r)[chunk] for r in records)))
             names.append(name)
         if self.carry_to is not None:  # activations out, gradients in
             patch("get_fwd_send_ops", "F", messages.outgoing)
-            patch("get_bwd_recv_ops", "B", messages.incoming)
+            patch("get_bwd_recv_ops", "B", messages.incoming, "grad_recv_info")
         if self.carry_from is not None:  # activations in, gradients out
-            patch("get_fwd_recv_ops", "F", messages.incoming)
+            patch("get_fwd_recv_ops", "F", messages.incoming, "args_recv_info")
             patch("get_bwd_send_ops", "B", messages.outgoing)
 
         def restore():
+            messages.give_back()
             for name in names:
                 stage.__dict__.pop(name, None)
         return restore

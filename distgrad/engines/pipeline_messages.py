@@ -31,7 +31,6 @@ _CAP = 1 << 16    # bytes of a batch in its first message
 _META = 14        # int64s per value: tag, dtype code, requires_grad, ndim, shape (9), nbytes
 _ALIGN = 16       # payloads start at multiples of this, so that they view as any dtype
 _SPARE: list = []  # receive buffers whose batches are unpacked, for the next receives
-_SPARE_BOTH: dict = {}  # the same for carried batches, by the size of the schedule's bytes
 
 
 def _tag(key, part: int) -> int:
@@ -46,7 +45,9 @@ class Messages:
         self.engine, self.channel = engine, engine.channel
         self.carry_to = getattr(engine, "carry_to", None)      # see PipelineEngine.carry
         self.carry_from = getattr(engine, "carry_from", None)
-        self.carried: dict = {}   # microbatch -> (the schedule's buffer, the buffer received)
+        self.carried: dict = {}   # (phase, microbatch) -> where the carried bytes arrive
+        self.room = engine.carry_room  # receive buffers with room, kept across steps
+        self.swapped: list = []   # (stage record, its own buffer) while ours stands in
         # What went and came on the channel, by peer: compared across ranks when the step ends
         self.sent_to: dict = {}   # dst -> [tags of batches sent]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -126,9 +127,11 @@ class Messages:
         op.tensor = both  # (the op is the schedule's own, made for this one message)
         return ops
 
-    def incoming(self, phase: str, chunk: int, ops: list) -> list:
+    def incoming(self, phase: str, chunk: int, ops: list, infos=()) -> list:
         """The schedule's receives of ``chunk`` in ``phase``, the last one from the neighbour
-        received into a buffer with room for that rank's batch after the schedule's bytes."""
+        received into a buffer with room for that rank's batch after the schedule's bytes.
+        ``infos``: the stage's records of what it receives; the one whose buffer this is gets
+        a view of the bytes in that buffer, so nothing needs copying when they arrive."""
         key, src = (phase, chunk), self._carrier(phase)
         at = _last_with(ops, src)
         if at is None:  # the sender's ``outgoing`` found no message of the schedule's either
@@ -136,33 +139,44 @@ class Messages:
             self.posted[(src, key)] = [buf, self.channel.recv([buf], src, _tag(key, 0))]
             return ops
         op = ops[at]
-        size = op.tensor.numel() * op.tensor.element_size()
-        spare = _SPARE_BOTH.get(size)
-        if spare:
-            both, view = spare.pop()
-        else:
+        tensor = op.tensor
+        size = tensor.numel() * tensor.element_size()
+        room = self.room.get(key)  # kept by the engine: the same buffers every step
+        if room is None or room[0] != (tensor.shape, tensor.dtype):
             both = torch.empty(size + _CAP, dtype=torch.uint8)
-            view = memoryview(both.numpy())
+            room = self.room[key] = ((tensor.shape, tensor.dtype), both,
+                                     memoryview(both.numpy()),
+                                     both[:size].view(tensor.dtype).view(tensor.shape))
+        _, both, view, inside = room
+        info = next((i for i in infos if i.buffer is tensor), None)
+        if info is not None:  # the schedule reads its input where the bytes land
+            self.swapped.append((info, tensor))
+            info.buffer = inside
         struct.pack_into("<q", view, size, -1)  # a batch's length; stays -1 if none comes along
-        self.carried[key] = (op.tensor, both, view)
+        self.carried[key] = (None if info is not None else tensor, both, view, size)
         op.tensor = both
         return ops
 
     def arrived(self, phase: str, chunk: int) -> None:
         """As this stage starts ``chunk`` in ``phase`` (the schedule has waited for its
-        receives): hand the schedule its bytes and unpack the batch that came with them."""
+        receives): unpack the batch that came with the schedule's bytes."""
         key = (phase, chunk)
         found = self.carried.pop(key, None)
         if found is None:
             return
-        buffer, both, view = found
-        size = buffer.numel() * buffer.element_size()
-        buffer.detach().view(-1).view(torch.uint8).copy_(both[:size])
+        copy_to, both, view, size = found
+        if copy_to is not None:
+            copy_to.detach().view(-1).view(torch.uint8).copy_(both[:size])
         src = self._carrier(phase)
         self.posted[(src, key)] = [None, None, "carried"]
         if struct.unpack_from("<q", view, size)[0] != -1:
             self._parse(src, key, both[size:])
-        _SPARE_BOTH.setdefault(size, []).append((both, view))  # its values are copied out
+
+    def give_back(self) -> None:
+        """The stage's own receive buffers again (end of the trace)."""
+        for info, tensor in reversed(self.swapped):
+            info.buffer = tensor
+        self.swapped.clear()
 
     def _carrier(self, phase: str):
         """The rank whose messages of ``phase`` to this one carry batches, if any."""

@@ -10,6 +10,7 @@ batch and exits non-zero on any mismatch (fp32, atol 1e-5).
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -123,6 +124,11 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
                 bad = 0 if ok else 1
         return bad
     finally:
+        # Drop the wrapper first (a DDP module keeps the process group alive), so that the
+        # group's threads end here rather than while the interpreter exits, where gloo has been
+        # seen to abort ("terminate called without an active exception") now and then.
+        wrapped = model = opt = options = None
+        gc.collect()
         if dist.is_initialized():  # distgrad destroys it on every rank after a failure
             dist.destroy_process_group()
 

@@ -1,10 +1,14 @@
 """Values between pipeline stages: what ``pipeline_run.py`` sends from a value's owner to the
-other ranks, on a gloo group of distgrad's own so that it never mixes with the schedule's traffic.
+other ranks.
 
 Values travel in *batches*: every value an owner sends to one rank for one delivery moment of the
-receiver (``("F", m)``, ``("B", m)`` or ``"end"``, see ``pipeline.py``) goes in one message, sent
+receiver (``("F", m)``, ``("B", m)`` or ``"end"``, see ``pipeline.py``) goes together, sent
 when the owner's chunk that produced them ends (``"end"``: when its step ends). That moment
 causally precedes the receiver's event, so a receiver never waits for a sender that waits for it.
+Between neighbouring stages a batch rides on the schedule's own message of that chunk (the
+activation forward, the input gradient backward; ``outgoing``, ``incoming``, ``arrived``). Every
+other batch is a message of its own on a gloo group of distgrad's, apart from the schedule's
+traffic; what went there is compared across ranks when the step ends (``_agree``).
 
 gloo's point-to-point is a rendezvous (the bytes move only once both sides have posted), so a
 receive posted at the moment the value is needed costs round trips between two busy processes.
@@ -91,7 +95,7 @@ class Messages:
 
     def _send(self, data: torch.Tensor, dst: int, key, carried: bool = False) -> None:
         # sent from the bytes as they are: keep them until it went. A carried batch went with
-        # the activation, up to _CAP bytes: only a longer one's rest goes here.
+        # the schedule's message, up to _CAP bytes: only a longer one's rest goes here.
         if not carried:
             self.sent_to.setdefault(dst, []).append(_tag(key, 0))
             self.pending.append((data, self.channel.send([data[:_CAP]], dst, _tag(key, 0))))

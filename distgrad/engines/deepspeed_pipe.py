@@ -42,6 +42,9 @@ class DeepSpeedPipeEngine(PipelineEngine):
     def microbatches(self) -> int:
         return self.ds.micro_batches
 
+    def _can_carry(self) -> bool:
+        return False  # its messages are DeepSpeed's own: distgrad's batches go separately
+
     def run_step(self, args: tuple, kwargs: dict):
         if len(args) != 1 or kwargs:
             raise TypeError("model.trace(microbatches) under DeepSpeed's pipeline engine takes one "

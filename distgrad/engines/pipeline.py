@@ -161,8 +161,8 @@ class PipelineEngine(DistributedEngine):
     def _can_carry(self) -> bool:
         """Whether this stage's activation messages can carry distgrad's bytes: host tensors on
         a gloo group (the values are packed in host memory)."""
-        group = getattr(self, "stage", None) and (self.stage.group or dist.group.WORLD)
-        return bool(group) and self.device.type == "cpu" and dist.get_backend(group) == "gloo"
+        group = self.stage.group or dist.group.WORLD
+        return self.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
     def carry(self, messages):
         """Make the schedule's messages between neighbouring stages carry distgrad's values for
@@ -174,18 +174,22 @@ class PipelineEngine(DistributedEngine):
             return None
         stage, names = self.stage, []
 
-        def patch(name, phase, wrap, *records):
+        def sends(name, phase):
             real = getattr(stage, name)
-            setattr(stage, name, lambda chunk: wrap(phase, chunk, real(chunk), *(
-                getattr(stage, r).get(chunk, ()) if isinstance(getattr(stage, r), dict) else
-                getattr(stage, r)[chunk] for r in records)))
+            setattr(stage, name, lambda chunk: messages.outgoing(phase, chunk, real(chunk)))
+            names.append(name)
+
+        def receives(name, phase, records):  # records: the stage's {chunk: receive records}
+            real = getattr(stage, name)
+            setattr(stage, name, lambda chunk: messages.incoming(
+                phase, chunk, real(chunk), getattr(stage, records).get(chunk, ())))
             names.append(name)
         if self.carry_to is not None:  # activations out, gradients in
-            patch("get_fwd_send_ops", "F", messages.outgoing)
-            patch("get_bwd_recv_ops", "B", messages.incoming, "grad_recv_info")
+            sends("get_fwd_send_ops", "F")
+            receives("get_bwd_recv_ops", "B", "grad_recv_info")
         if self.carry_from is not None:  # activations in, gradients out
-            patch("get_fwd_recv_ops", "F", messages.incoming, "args_recv_info")
-            patch("get_bwd_send_ops", "B", messages.outgoing)
+            receives("get_fwd_recv_ops", "F", "args_recv_info")
+            sends("get_bwd_send_ops", "B")
 
         def restore():
             messages.give_back()

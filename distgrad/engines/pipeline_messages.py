@@ -26,7 +26,6 @@ import zlib
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from ..errors import OutOfOrderError, TraceStateError
 from .collective import _CODE, _DTYPES
@@ -47,14 +46,13 @@ class Messages:
 
     def __init__(self, engine):
         self.engine, self.channel = engine, engine.channel
-        self.carry_to = getattr(engine, "carry_to", None)      # see PipelineEngine.carry
-        self.carry_from = getattr(engine, "carry_from", None)
+        self.carry_to, self.carry_from = engine.carry_to, engine.carry_from  # see carry()
         self.carried: dict = {}   # (phase, microbatch) -> where the carried bytes arrive
         self.room = engine.carry_room  # receive buffers with room, kept across steps
         self.swapped: list = []   # (stage record, its own buffer) while ours stands in
         # What went and came on the channel, by peer: compared across ranks when the step ends
         self.sent_to: dict = {}   # dst -> [tags of batches sent]
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = engine._job_rank, engine._job_world
         self.told = False         # whether this rank's sends are in the store (see _agree)
         self.outbox: dict = {}    # key -> {dst: [(tag, copy of the value)]}
         self.sent: set = set()    # keys whose batches have gone

@@ -97,8 +97,7 @@ class PipelineRun:
 
         session.microbatch = -1
         undo = self.engine.instrument(on_chunk, on_loss)
-        carry = getattr(self.engine, "carry", None)
-        undo_carry = carry(self.messages) if carry is not None else None
+        undo_carry = self.engine.carry(self.messages)
         if undo_carry is None:
             return undo
 

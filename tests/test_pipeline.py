@@ -73,6 +73,14 @@ def test_order_errors_raise_instead_of_hanging(case, tmp_path):
         assert result.get(f"case_{case}") == "ok", f"rank {rank}:\n{result.get(f'case_{case}')}"
 
 
+def test_slow_stage_is_waited_for(tmp_path):
+    """Stage 0 ends its step 1.5 failure timeouts after the last stage, which waits for stage
+    0's gradient all that time: the wait goes on (it is not a failure) and the value is right.
+    A timed gloo receive would have closed the group's connections when it expired."""
+    for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, cases="slow_owner")):
+        assert result.get("case_slow_owner") == "ok", f"rank {rank}:\n{result.get('case_slow_owner')}"
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_killed_stage_is_reported(schedule, tmp_path):
     """The last stage is SIGKILLed inside its body; the first stage raises RankFailedError

@@ -15,13 +15,18 @@ receive posted at the moment the value is needed costs round trips between two b
 The receiver therefore posts a batch's receive as soon as a body first asks for one of its
 values, long before the event, into a buffer of ``_CAP`` bytes (gloo accepts a shorter message);
 a batch longer than that sends the rest in a second message. Tags pair a send with its receive:
-every rank runs the same body, so both sides name the same batch. A wait lasts at most
-``config.failure_timeout`` seconds between reads of the job's failure key, so a failure on the
-sender reaches the receiver instead of leaving it waiting.
+every rank runs the same body, so both sides name the same batch.
+
+A receive is never waited for with a timeout: when a timed gloo receive expires, gloo closes
+every connection of the group, so a peer that is merely slow (a long stage) would break the job.
+A batch whose first bytes have landed is waited for in place; one that has not is waited for on a
+helper thread (``_Helpers``) while this one reads, every ``config.failure_timeout`` seconds, the
+job's failure key and the peer's list of sends (``_wait_for_batch``).
 """
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 from datetime import timedelta
 
@@ -137,8 +142,7 @@ class Messages:
         key, src = (phase, chunk), self._carrier(phase)
         at = _last_with(ops, src)
         if at is None:  # the sender's ``outgoing`` found no message of the schedule's either
-            buf = torch.empty(_CAP, dtype=torch.uint8)
-            self.posted[(src, key)] = [buf, self.channel.recv([buf], src, _tag(key, 0))]
+            self._post(src, key)
             return ops
         op = ops[at]
         tensor = op.tensor
@@ -190,9 +194,10 @@ class Messages:
         for key in list(self.outbox):
             self.flush(key)
         self._agree()
+        # every send now has a receive posted: it completes unless a connection breaks
         for _, work in self.pending:
             if work is not None:
-                self._wait(work)
+                work.wait()
         self.pending.clear()
 
     # -- the receiver ------------------------------------------------------------------------
@@ -201,8 +206,12 @@ class Messages:
         if (src, key) not in self.posted:
             if key != "end" and src == self._carrier(key[0]):
                 return  # it comes with the schedule's message (incoming, arrived)
-            buf = _SPARE.pop() if _SPARE else torch.empty(_CAP, dtype=torch.uint8)
-            self.posted[(src, key)] = [buf, self.channel.recv([buf], src, _tag(key, 0))]
+            self._post(src, key)
+
+    def _post(self, src: int, key) -> None:
+        buf = _SPARE.pop() if _SPARE else torch.empty(_CAP, dtype=torch.uint8)
+        buf[:8].view(torch.int64).fill_(-1)  # a batch's length once its first bytes land
+        self.posted[(src, key)] = [buf, self.channel.recv([buf], src, _tag(key, 0))]
 
     def take(self, src: int, key, tag: int) -> torch.Tensor:
         """The value ``tag`` of ``src``'s batch ``key``, waiting for the batch if need be."""
@@ -226,7 +235,7 @@ class Messages:
 
     def _unpack(self, src: int, key, entry) -> None:
         buf, work = entry
-        self._wait(work, waiting_for=(src, key))
+        self._wait_for_batch(buf, work, src, key)
         entry[1] = None
         self._parse(src, key, buf)
         _SPARE.append(buf)  # its values are copied out: the next receive may reuse it
@@ -236,7 +245,7 @@ class Messages:
         total, count = struct.unpack_from("<2q", view)
         if total > _CAP:
             rest = torch.empty(total - _CAP, dtype=torch.uint8)
-            self._wait(self.channel.recv([rest], src, _tag(key, 1)))
+            self.channel.recv([rest], src, _tag(key, 1)).wait()  # sent with the first part
             view = memoryview(torch.cat([buf[:_CAP], rest]).numpy())
         meta = struct.unpack_from(f"<{_META * count}q", view, 16)
         at = 16 + 8 * _META * count
@@ -294,30 +303,90 @@ class Messages:
     def _sends_key(self) -> str:
         return f"distgrad/pipeline-sends/{self.engine._traces + 1}"
 
-    def _wait(self, work, ending: bool = False, waiting_for=None) -> None:
+    def _wait(self, work, ending: bool = False) -> None:
+        """Wait for a collective on the channel (a timed wait on one closes nothing), reading
+        the job's failure key every ``failure_timeout`` seconds."""
         from ..backward import config
         while True:
             try:
                 if work.wait(timedelta(seconds=config.failure_timeout)):
                     return
             except RuntimeError as exc:
-                if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                if "timed out" not in str(exc).lower():
                     raise
-            found = self.engine._watch.read(self.engine._key_now())
-            if found is not None:
-                raise RuntimeError(f"Connection closed: {found[1]}")
+            self._check_failure()
             if ending and not self.told:  # tell a peer waiting for a batch that none is coming
                 self.told = True
                 for dst in range(self.world):
                     tags = ",".join(map(str, self.sent_to.get(dst, ()))) or "?"
                     self.engine._store.set(f"{self._sends_key()}/{self.rank}/{dst}", tags)
-            elif waiting_for is not None:
-                src, key = waiting_for
-                sent = self._published(src)
-                if sent is not None and _tag(key, 0) not in sent:
-                    raise TraceStateError(
-                        _MISMATCH + f"this rank, {self.rank}, waits for values of batch {key} "
-                        f"that rank {src} did not send: its body did not ask for them).")
+
+    def _wait_for_batch(self, buf: torch.Tensor, work, src: int, key) -> None:
+        """Wait for ``src``'s batch ``key`` to land in ``buf``, giving up if ``src`` has ended
+        its step without sending it, or if a rank failed."""
+        if int(buf[:8].view(torch.int64)) != -1:  # it is arriving: nothing can stop it now
+            work.wait()
+            return
+        from ..backward import config
+        done, failed = _HELPERS.wait(work)
+        while not done.wait(config.failure_timeout):
+            self._check_failure()
+            sent = self._published(src)
+            if sent is not None and _tag(key, 0) not in sent:
+                raise TraceStateError(
+                    _MISMATCH + f"this rank, {self.rank}, waits for values of batch {key} "
+                    f"that rank {src} did not send: its body did not ask for them).")
+        if failed:
+            raise failed[0]
+
+    def _check_failure(self) -> None:
+        found = self.engine._watch.read(self.engine._key_now())
+        if found is not None:
+            raise RuntimeError(f"Connection closed: {found[1]}")
+
+
+class _Helpers:
+    """Threads that wait for receives that might never complete, so that the caller can give
+    up on one. A helper whose receive never completes stays blocked until the connection
+    closes (at the latest when the process exits; it is a daemon), and later waits go to
+    another helper."""
+
+    def __init__(self):
+        self.idle: list = []
+        self.lock = threading.Lock()
+
+    def wait(self, work):
+        """Start waiting for ``work`` on a helper; returns an event set when it ends and a list
+        that then holds the error it raised, if any."""
+        done, failed = threading.Event(), []
+        with self.lock:
+            helper = self.idle.pop() if self.idle else None
+        if helper is None:
+            helper = _Helper(self)
+        helper.jobs.put((work, done, failed))
+        return done, failed
+
+
+class _Helper:
+    def __init__(self, pool: _Helpers):
+        import queue
+        self.pool, self.jobs = pool, queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="distgrad-batch-wait").start()
+
+    def _run(self) -> None:
+        while True:
+            work, done, failed = self.jobs.get()
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the waiting thread
+                failed.append(exc)
+            del work
+            with self.pool.lock:
+                self.pool.idle.append(self)
+            done.set()
+
+
+_HELPERS = _Helpers()
 
 
 _MISMATCH = ("the pipeline body asked for different values on different ranks (every rank runs "

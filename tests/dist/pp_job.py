@@ -196,9 +196,50 @@ def case_rank_dependent(model, net, ctx):
     expect_error(run, distgrad.TraceStateError, "different values on different ranks")
 
 
+def slow_last_backward(net, ctx, seconds: float):
+    """On rank 0, the last microbatch's backward through layers[0] takes ``seconds`` longer (a
+    tensor hook on its weight): stage 0 ends its step that much after the last stage, which
+    has nothing left to do but wait for it. Returns the undo."""
+    if ctx["rank"] != 0:
+        return lambda: None
+    import time
+    calls = []
+
+    def slow(grad):
+        calls.append(True)
+        if len(calls) == ctx["m"]:
+            time.sleep(seconds)
+    return net.layers[0][0].weight.register_hook(slow).remove
+
+
+def case_slow_owner(model, net, ctx):
+    """The last stage waits for stage 0's gradient (sent when stage 0's step ends) for longer
+    than the failure timeout, because stage 0 is slow: the wait goes on and the values are
+    right (a timed receive would have closed the group's connections: gloo does so when one
+    expires)."""
+    x, y = batch()
+    m = ctx["m"]
+    undo = slow_last_backward(net, ctx, 1.5 * distgrad.config.failure_timeout)
+    try:
+        with model.trace(x, target=y) as tr:
+            h = model.layers[1].output
+            with tr.loss.backward():
+                g = h.grad.save()
+    finally:
+        undo()
+    ref = build(WIDTH)  # the same weights, unsplit, with plain autograd
+    h1 = ref.layers[1](ref.layers[0](x))
+    h1.retain_grad()
+    nn.MSELoss()(ref.layers[3](ref.layers[2](h1)), y).backward()
+    close(g, h1.grad * m, "layers[1] gradient, after a slow stage 0")
+    net.zero_grad(set_to_none=True)
+
+
 def case_rank_dependent_grad(model, net, ctx):
     """Only the last stage asks for stage 0's gradient: it waits for a batch stage 0 never
-    sends; it raises once stage 0 has ended its step and said what it sent, and stage 0 hears."""
+    sends; it raises once stage 0 has ended its step and said what it sent, and stage 0 hears.
+    Stage 0 is slow, so the last stage waits longer than the failure timeout before stage 0
+    has said anything."""
     x, y = batch()
 
     def run():
@@ -208,7 +249,11 @@ def case_rank_dependent_grad(model, net, ctx):
                 if ctx["rank"] == ctx["world"] - 1:
                     h.grad
 
-    expect_error(run, distgrad.TraceStateError, "did not send")
+    undo = slow_last_backward(net, ctx, 1.5 * distgrad.config.failure_timeout)
+    try:
+        expect_error(run, distgrad.TraceStateError, "did not send")
+    finally:
+        undo()
 
 
 def case_killed(model, net, ctx):
@@ -256,7 +301,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default="all",
                         choices=["all", "failure", "late_read", "after_loss", "grad_order",
-                                 "cross_grad", "killed", "rank_dependent", "rank_dependent_grad"])
+                                 "cross_grad", "killed", "rank_dependent", "rank_dependent_grad",
+                                 "slow_owner"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
@@ -284,7 +330,8 @@ def main():
              "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,),
              "cross_grad": (case_cross_grad,), "killed": (case_killed,),
              "rank_dependent": (case_rank_dependent,),
-             "rank_dependent_grad": (case_rank_dependent_grad,)}[args.cases]
+             "rank_dependent_grad": (case_rank_dependent_grad,),
+             "slow_owner": (case_slow_owner,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, ctx)
 
 

@@ -233,6 +233,17 @@ def case_slow_owner(model, net, ctx):
     nn.MSELoss()(ref.layers[3](ref.layers[2](h1)), y).backward()
     close(g, h1.grad * m, "layers[1] gradient, after a slow stage 0")
     net.zero_grad(set_to_none=True)
+    # the thread that waited is kept for the next long wait, not started again each step
+    import threading
+    threads = threading.active_count()
+    for _ in range(3):
+        with model.trace(x, target=y) as tr:
+            h = model.layers[1].output
+            with tr.loss.backward():
+                g = h.grad.save()
+        net.zero_grad(set_to_none=True)
+    if threading.active_count() != threads:
+        raise AssertionError(f"{threading.active_count() - threads} more threads after 3 traces")
 
 
 def case_rank_dependent_grad(model, net, ctx):

@@ -30,6 +30,18 @@ def test_tensor_parallel_job(layout, world, tmp_path):
             assert result.get(case) == "ok", f"{layout} rank {rank} {case}:\n{result.get(case, proc.stdout[-3000:])}"
 
 
+@pytest.mark.parametrize("case", ["rank_dependent", "rank_dependent_value"])
+def test_rank_dependent_requests_raise_instead_of_hanging(case, tmp_path):
+    """A sharded value read on rank 0 only (rank 0 would wait to gather it while rank 1 waits in
+    the model's next all-reduce), and different values of one shape read at the same moment:
+    every rank raises TraceStateError, or RankFailedError naming it, and exits normally."""
+    procs = run_ranks([JOB, "--layout", "tp", "--cases", case, "--out", str(tmp_path)], 2)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result.get(f"case_{case}") == "ok", f"rank {rank}:\n{result}"
+
+
 @pytest.mark.slow
 def test_killed_rank_is_reported(tmp_path):
     """Rank 1 of a tensor-parallel pair is SIGKILLed inside the body; rank 0 raises

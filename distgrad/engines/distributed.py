@@ -197,9 +197,15 @@ class _Watch:
             if engine is None or not dist.is_initialized():
                 return
             key = f"distgrad/failure/{engine._traces + 1}"  # the trace now running
+            traces, agreement = engine._traces, getattr(engine.views, "agreement", None)
             del engine
             if key not in self.seen:
                 self.read(key)
+            if agreement is not None:  # tensor parallel: where this rank is, if a peer asks
+                try:
+                    agreement.publish_state(self.store, self.rank, traces)
+                except Exception:
+                    pass
 
 
 def _is_comm_error(error: BaseException) -> bool:

@@ -136,9 +136,12 @@ class TensorParallelViews:
         for module, dim in (shards or {}).items():
             self.parallel[module] = (self.mesh, Shard(dim))
         self.sources: dict = {}  # id(whole) -> (whole, tensor that flows on, how it is split)
+        self.agreement = None    # a ViewAgreement where the mesh is on the CPU (select_engine)
 
     def clear(self) -> None:
         self.sources.clear()
+        if self.agreement is not None:
+            self.agreement.clear()
 
     # -- hook values ---------------------------------------------------------------------
     def show(self, kind: str, module, value, label: str = "the value"):
@@ -152,9 +155,11 @@ class TensorParallelViews:
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, DTensor):
                 split = (leaf.device_mesh, tuple(leaf.placements), True, leaf.shape, leaf.stride())
+                self._agree(label)
                 whole = leaf.full_tensor().clone()  # editable in place (see _whole)
             elif plain is not None and isinstance(leaf, torch.Tensor):
                 split = (self.mesh, (plain,), False, None, None)
+                self._agree(label)
                 whole = _whole(leaf, self.mesh, split[1])
             else:
                 continue
@@ -209,11 +214,17 @@ class TensorParallelViews:
 
     def show_grad(self, split, grad):
         mesh, placements, is_dtensor, _, _ = split
+        self._agree(f"a gradient of shape {tuple(grad.shape)}")
         with torch.no_grad():
             if isinstance(grad, _dtensor()):
                 split = (grad.device_mesh, tuple(grad.placements), True, grad.shape, grad.stride())
                 return grad.full_tensor(), split
             return _whole(grad, mesh, placements), split
+
+    def _agree(self, label: str) -> None:
+        """Every rank is at this value before the gather (tensor_parallel_agree.py)."""
+        if self.agreement is not None:
+            self.agreement.agree(label)
 
     def place_grad(self, split, whole):
         with torch.no_grad():
@@ -258,6 +269,9 @@ def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
     else:
         engine = TensorParallelEngine(obj, views)
     engine.views = views
+    if views.mesh.device_type == "cpu":  # no gather waits forever (tensor_parallel_agree.py)
+        from .tensor_parallel_agree import ViewAgreement
+        views.agreement = ViewAgreement(engine, views.mesh)
     return engine
 
 

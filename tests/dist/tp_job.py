@@ -178,20 +178,24 @@ def case_killed(model, net, ctx):
 
 
 def case_collectives(model, net, ctx):
-    """One collective per value the body visits, none for `.local` or replicated values: the
-    counts of a trace that reads nothing and of one that reads differ by exactly the visits."""
+    """One gather per value the body visits, none for `.local` or replicated values: the counts
+    of a trace that reads nothing and of one that reads differ by exactly the visits - on the
+    CPU twice over, since each gather follows a 16-byte agreement on distgrad's own group (the
+    ranks check that they are at the same value; tensor_parallel_agree.py)."""
     from torch.distributed.tensor.debug import CommDebugMode
     kwargs = {"position_ids": torch.arange(SEQ)[None]} if ctx[4] else {}
     ids = global_ids(2)
+    agreement = model._engine.views.agreement
 
     def count(body):
-        with CommDebugMode() as comm:
+        made = agreement.made
+        with CommDebugMode() as comm:  # counts the model's collectives and distgrad's
             with model.trace(ids, **kwargs):
                 body()
                 with (model.output.logits.sum() * SCALE).backward():
                     pass
         net.zero_grad(set_to_none=True)
-        return comm.get_total_counts()
+        return comm.get_total_counts(), agreement.made - made
 
     def reads():
         l0 = model.model.layers[0]
@@ -202,11 +206,11 @@ def case_collectives(model, net, ctx):
         model.model.layers[1].output                # replicated (plain TP), or under sp a
                                                     # sequence shard not named in tp_shards: none
 
-    base, visited = count(lambda: None), count(reads)
+    (base, _), (visited, agreed) = count(lambda: None), count(reads)
     expected = 3
-    if visited - base != expected:
-        raise AssertionError(f"{visited - base} collectives for {expected} sharded visits "
-                             f"(a trace without reads made {base})")
+    if visited - base != 2 * expected or agreed != expected:
+        raise AssertionError(f"{visited - base} collectives ({agreed} agreements) for "
+                             f"{expected} sharded visits (a trace without reads made {base})")
 
 
 def case_two_forms(model, net, ctx):
@@ -223,6 +227,35 @@ def case_two_forms(model, net, ctx):
             raise
         return
     raise AssertionError(".output then .local.output of one call did not raise")
+
+
+def case_rank_dependent(model, net, ctx):
+    """Only rank 0 reads a sharded value (`if rank == 0:`): rank 0 waits to gather it while rank
+    1 waits in the model's next all-reduce. Rank 0 raises instead of waiting forever; rank 1
+    hears of it when rank 0's process ends (its all-reduce breaks then)."""
+    kwargs = {"position_ids": torch.arange(SEQ)[None]} if ctx[4] else {}
+
+    def run():
+        with model.trace(global_ids(2), **kwargs):
+            if ctx[0] == 0:
+                model.model.layers[0].self_attn.q_proj.output.save()
+            model.output.logits.save()
+
+    expect_error(run, distgrad.TraceStateError, "different values on different ranks")
+
+
+def case_rank_dependent_value(model, net, ctx):
+    """The ranks read different values of one shape at the same moment (k_proj on rank 0,
+    v_proj on rank 1): the gather's header tells them apart, and every rank raises."""
+    kwargs = {"position_ids": torch.arange(SEQ)[None]} if ctx[4] else {}
+
+    def run():
+        with model.trace(global_ids(2), **kwargs):
+            attn = model.model.layers[0].self_attn
+            (attn.k_proj if ctx[0] == 0 else attn.v_proj).output.save()
+
+    expect_error(run, distgrad.TraceStateError, "different values on different ranks",
+                 heard=False)
 
 
 def case_failure(model, net, ctx):
@@ -245,7 +278,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", required=True, choices=["tp", "sp", "fsdp-tp"])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", default="all", choices=["all", "killed"])
+    parser.add_argument("--cases", default="all",
+                        choices=["all", "killed", "rank_dependent", "rank_dependent_value"])
     args = parser.parse_args()
     distgrad.config.failure_timeout = 3.0
     from torch.distributed.device_mesh import init_device_mesh
@@ -267,8 +301,9 @@ def main():
     model = distgrad.wrap(net, tp_shards={"model.layers.0": 1} if sequence else None)
     ctx = (rank, dp, dp_rank, tp_rank, sequence)
     # the last two end with an error on a rank, which tears the process group down
-    cases = ((case_read_edit, case_read_edit_thread, case_collectives, case_failure)
-             if args.cases == "all" else (case_killed,))
+    cases = {"all": (case_read_edit, case_read_edit_thread, case_collectives, case_failure),
+             "killed": (case_killed,), "rank_dependent": (case_rank_dependent,),
+             "rank_dependent_value": (case_rank_dependent_value,)}[args.cases]
     if args.layout == "tp" and args.cases == "all":  # elsewhere the forward communicates first
         cases += (case_two_forms,)
     run_cases(cases, args.out, rank, model, net, ctx)

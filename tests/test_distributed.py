@@ -54,6 +54,17 @@ def test_killed_rank_is_reported(engine, tmp_path_factory):
     assert results[0].get("case_killed") == "ok", results[0]
 
 
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow),
+                                    pytest.param("zero3", marks=pytest.mark.slow)])
+def test_rank_dependent_param_grad(engine, tmp_path_factory):
+    """`if rank == 0: model.<path>.weight.grad` inside the trace: under DDP a local read that
+    works; under FSDP and ZeRO a collective rank 1 never makes, so rank 0 raises TraceStateError
+    (instead of waiting until gloo's timeout, or gloo aborting rank 1) and rank 1 hears of it."""
+    procs, results = _job(engine, "rank_dependent_param_grad", tmp_path_factory)
+    for rank, (proc, result) in enumerate(zip(procs, results)):
+        assert proc.returncode == 0, f"{engine} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+        assert result.get("case_rank_dependent_param_grad") == "ok", f"{engine} rank {rank}:\n{result}"
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])

@@ -22,6 +22,7 @@ from .distributed import DistributedEngine
 
 class DeepSpeedEngineAdapter(DistributedEngine):
     name = "deepspeed"
+    sharded_params = True
 
     @property
     def model(self) -> torch.nn.Module:
@@ -36,24 +37,27 @@ class DeepSpeedEngineAdapter(DistributedEngine):
         return self.wrapped.backward(tensor, **kwargs)
 
     def param(self, param, path):
-        return ZeroParam(param, path)
+        return ZeroParam(param, path, self.agree)
 
 
 class ZeroParam:
     """A parameter seen through DeepSpeed's accessors: full gradient, reduced and unpartitioned."""
 
-    def __init__(self, param, path):
+    def __init__(self, param, path, agree=lambda label: None):
         object.__setattr__(self, "param", param)
         object.__setattr__(self, "path", path)
+        object.__setattr__(self, "agree", agree)  # before each collective (agreement.py)
 
     @property
     def grad(self):
         from deepspeed.utils import safe_get_full_grad
+        self.agree(f"{self.path}.grad")
         return safe_get_full_grad(self.param)
 
     @grad.setter
     def grad(self, value):
         from deepspeed.utils import safe_set_full_grad
+        self.agree(f"{self.path}.grad = ...")
         safe_set_full_grad(self.param, value)
 
     def full_tensor(self):

@@ -35,6 +35,7 @@ from .base import Engine
 
 
 class DistributedEngine(Engine):
+    sharded_params = False  # True: a parameter's .grad through distgrad is a collective
 
     def __init__(self, wrapped, group=None, gather: bool = True):
         super().__init__(wrapped)
@@ -49,13 +50,21 @@ class DistributedEngine(Engine):
         # failures are told to the whole job, by global rank (the gather group may be smaller:
         # the data-parallel dimension of a 2-D mesh)
         self._job_rank, self._job_world = dist.get_rank(), dist.get_world_size()
-        self._traces = 0
+        self._traces = 0   # traces ended (incremented as end_trace starts)
+        self._running = 1  # the number of the trace running, or of the last one (keys use it)
         # gather=False: every rank already holds the global values (tensor parallel alone)
         self._exchange = collective.Exchange(self.group, self._rank, self._world) if gather else None
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
         self._store = _store()
         self._watch = _Watch(self)
+        # rank-dependent requests raise instead of hanging (agreement.py): parameter gradients
+        # of sharded engines here, tensor-parallel views in tensor_parallel.py
+        self.agreements: list = []
+        self.param_agreement = None
+        if self.sharded_params and dist.get_backend() == "gloo":
+            from .agreement import Agreement
+            self.param_agreement = Agreement(self, "params")
 
     # The wrapper is what runs the forward, and its output is model.output; engines whose
     # wrapper keeps the user's model elsewhere (DDP's .module) override ``model``.
@@ -80,6 +89,7 @@ class DistributedEngine(Engine):
 
     # -- the start and end of every trace -------------------------------------------------
     def begin_trace(self) -> None:
+        self._running = self._traces + 1
         self._watch.active.set()
 
     def end_trace(self, saves: list, error: BaseException | None):
@@ -88,8 +98,15 @@ class DistributedEngine(Engine):
         finally:
             self._watch.active.clear()
 
+    def agree(self, label: str) -> None:
+        """Before a collective for a parameter's gradient (see ``agreement.py``)."""
+        if self.param_agreement is not None:
+            self.param_agreement.agree(label)
+
     def _end_trace(self, saves: list, error: BaseException | None):
         self._traces += 1
+        for agreement in self.agreements:
+            agreement.clear()
         if self.views is not None:
             self.views.clear()
         if error is not None:
@@ -106,8 +123,8 @@ class DistributedEngine(Engine):
         return f"distgrad/failure/{self._traces}"
 
     def _key_now(self) -> str:
-        """The failure key of the trace now running (``_traces`` counts finished ones)."""
-        return f"distgrad/failure/{self._traces + 1}"
+        """The failure key of the trace now running (also while it ends)."""
+        return f"distgrad/failure/{self._running}"
 
     def _fail(self, error: BaseException):
         if isinstance(error, RankFailedError):
@@ -196,14 +213,18 @@ class _Watch:
             engine = ref()
             if engine is None or not dist.is_initialized():
                 return
-            key = f"distgrad/failure/{engine._traces + 1}"  # the trace now running
-            traces, agreement = engine._traces, getattr(engine.views, "agreement", None)
+            key = engine._key_now()  # the trace now running, also in its end-of-trace gather
+            running, agreements = engine._running, list(engine.agreements)
             del engine
             if key not in self.seen:
                 self.read(key)
-            if agreement is not None:  # tensor parallel: where this rank is, if a peer asks
+            if agreements:  # where this rank is, if a peer waiting in an agreement asks
                 try:
-                    agreement.publish_state(self.store, self.rank, traces)
+                    from .agreement import asked, where
+                    if asked(self.store, running):
+                        now = where()
+                        for agreement in agreements:
+                            agreement.publish_state(self.store, self.rank, running, now)
                 except Exception:
                     pass
 

@@ -22,6 +22,7 @@ _WRAPPER_CHILDREN = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 class FSDP1Engine(DistributedEngine):
     name = "fsdp1"
+    sharded_params = True
 
     @property
     def model(self) -> torch.nn.Module:
@@ -35,23 +36,26 @@ class FSDP1Engine(DistributedEngine):
             module = inner
 
     def param(self, param, path):
-        return FullParam(self.wrapped, param, path)
+        return FullParam(self.wrapped, param, path, self.agree)
 
 
 class FullParam:
-    def __init__(self, root, param, path):
+    def __init__(self, root, param, path, agree=lambda label: None):
         object.__setattr__(self, "root", root)
         object.__setattr__(self, "param", param)
         object.__setattr__(self, "path", path)
+        object.__setattr__(self, "agree", agree)  # before each collective (agreement.py)
 
     @property
     def grad(self):
+        self.agree(f"{self.path}.grad")
         with FSDP.summon_full_params(self.root, with_grads=True):
             g = self.param.grad
             return None if g is None else g.detach().clone()
 
     @grad.setter
     def grad(self, value):
+        self.agree(f"{self.path}.grad = ...")
         with FSDP.summon_full_params(self.root, with_grads=True, writeback=True):
             if self.param.grad is None or value is None:
                 raise ValueError(f"{self.path}.grad = ...: FSDP1 can only overwrite an existing "

@@ -15,22 +15,27 @@ from .distributed import DistributedEngine
 
 class FSDP2Engine(DistributedEngine):
     name = "fsdp2"
+    sharded_params = True
 
     def param(self, param, path):
-        return ShardedParam(param, path)
+        return ShardedParam(param, path, self.agree)
 
 
 class ShardedParam:
     """A DTensor parameter seen whole: ``.grad`` gathers, ``.grad = full`` scatters locally."""
 
-    def __init__(self, param, path: str):
+    def __init__(self, param, path: str, agree=lambda label: None):
         object.__setattr__(self, "param", param)
         object.__setattr__(self, "path", path)
+        object.__setattr__(self, "agree", agree)  # before each collective (agreement.py)
 
     @property
     def grad(self):
         g = self.param.grad
-        return None if g is None else g.full_tensor()
+        if g is None:
+            return None
+        self.agree(f"{self.path}.grad")
+        return g.full_tensor()
 
     @grad.setter
     def grad(self, value):
@@ -41,6 +46,7 @@ class ShardedParam:
         if tuple(value.shape) != tuple(self.param.shape):
             raise ValueError(f"{self.path}.grad = ...: expected the full shape "
                              f"{list(self.param.shape)}, got {list(value.shape)}.")
+        self.agree(f"{self.path}.grad = ...")
         self.param.grad = distribute_tensor(value.detach().to(self.param.dtype),
                                             self.param.device_mesh, self.param.placements)
 

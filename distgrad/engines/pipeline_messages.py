@@ -301,7 +301,7 @@ class Messages:
         return {int(t) for t in sent.split(",") if t} if sent != "?" else set()
 
     def _sends_key(self) -> str:
-        return f"distgrad/pipeline-sends/{self.engine._traces + 1}"
+        return f"distgrad/pipeline-sends/{self.engine._running}"
 
     def _wait(self, work, ending: bool = False) -> None:
         """Wait for a collective on the channel (a timed wait on one closes nothing), reading

@@ -136,12 +136,10 @@ class TensorParallelViews:
         for module, dim in (shards or {}).items():
             self.parallel[module] = (self.mesh, Shard(dim))
         self.sources: dict = {}  # id(whole) -> (whole, tensor that flows on, how it is split)
-        self.agreement = None    # a ViewAgreement where the mesh is on the CPU (select_engine)
+        self.agreement = None    # an Agreement where the mesh is on the CPU (select_engine)
 
     def clear(self) -> None:
         self.sources.clear()
-        if self.agreement is not None:
-            self.agreement.clear()
 
     # -- hook values ---------------------------------------------------------------------
     def show(self, kind: str, module, value, label: str = "the value"):
@@ -222,7 +220,7 @@ class TensorParallelViews:
             return _whole(grad, mesh, placements), split
 
     def _agree(self, label: str) -> None:
-        """Every rank is at this value before the gather (tensor_parallel_agree.py)."""
+        """Every rank is at this value before the gather (agreement.py)."""
         if self.agreement is not None:
             self.agreement.agree(label)
 
@@ -236,13 +234,14 @@ class TensorParallelEngine(DistributedEngine):
     parallelism: every rank holds the same (whole) values, so saves are not gathered."""
 
     name = "tp"
+    sharded_params = True
 
     def __init__(self, model: torch.nn.Module, views: TensorParallelViews):
         super().__init__(model, group=dist.group.WORLD, gather=False)
         self.views = views
 
     def param(self, param, path):
-        return ShardedParam(param, path) if isinstance(param, _dtensor()) else param
+        return ShardedParam(param, path, self.agree) if isinstance(param, _dtensor()) else param
 
 
 def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
@@ -269,9 +268,9 @@ def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
     else:
         engine = TensorParallelEngine(obj, views)
     engine.views = views
-    if views.mesh.device_type == "cpu":  # no gather waits forever (tensor_parallel_agree.py)
-        from .tensor_parallel_agree import ViewAgreement
-        views.agreement = ViewAgreement(engine, views.mesh)
+    if views.mesh.device_type == "cpu":  # no gather waits forever (agreement.py)
+        from .agreement import Agreement
+        views.agreement = Agreement(engine, "views", views.mesh)
     return engine
 
 

@@ -236,6 +236,27 @@ def case_rank_dependent_save(model, wrapped, rank, world):
     raise AssertionError("a save on rank 0 only did not raise")
 
 
+def case_rank_dependent_param_grad(model, wrapped, rank, world):
+    """A parameter's gradient read on rank 0 only, inside the trace. Where the read is a local
+    tensor (DDP) it works; where it is a collective (FSDP, ZeRO) the other rank never makes it:
+    rank 0 raises TraceStateError after three failure-timeout slices, instead of waiting until
+    gloo's timeout (or gloo aborting rank 1 on mismatched sizes), and rank 1 hears of it."""
+    ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
+
+    def run():
+        with model.trace(ids):
+            with (model.output.logits.sum() * SCALE).backward():
+                pass
+            if rank == 0:
+                model.transformer.h[1].mlp.c_fc.weight.grad
+
+    if model._engine.param_agreement is None:  # a local read: nothing to agree on
+        run()
+        clear_grads(wrapped)
+        return
+    expect_error(run, distgrad.TraceStateError, "different values on different ranks")
+
+
 def case_failure(model, wrapped, rank, world):
     """Rank 1 fails in the body before the backward; every rank must raise, none hang."""
     ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
@@ -269,7 +290,7 @@ def case_killed(model, wrapped, rank, world):
 
 CASES = {"all": [case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
                  case_rank_dependent_save, case_failure],
-         "killed": [case_killed]}
+         "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad]}
 
 
 def main():

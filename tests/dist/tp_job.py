@@ -181,7 +181,7 @@ def case_collectives(model, net, ctx):
     """One gather per value the body visits, none for `.local` or replicated values: the counts
     of a trace that reads nothing and of one that reads differ by exactly the visits - on the
     CPU twice over, since each gather follows a 16-byte agreement on distgrad's own group (the
-    ranks check that they are at the same value; tensor_parallel_agree.py)."""
+    ranks check that they are at the same value; agreement.py)."""
     from torch.distributed.tensor.debug import CommDebugMode
     kwargs = {"position_ids": torch.arange(SEQ)[None]} if ctx[4] else {}
     ids = global_ids(2)

@@ -1,0 +1,168 @@
+"""Agreeing, before a collective that distgrad makes for the body, that every rank is at the
+same request - so that a body with rank-dependent requests raises instead of hanging.
+
+Which collectives: showing a sharded tensor-parallel value whole (``tensor_parallel.py``, over
+the mesh) and reading or writing a parameter's gradient on a sharded engine (FSDP1, FSDP2,
+DeepSpeed, tensor parallel; over every rank). On the CPU (gloo) only.
+
+Why: those collectives block in C++ until every rank joins. If the ranks' bodies differ
+(``if rank == 0: q = ...q_proj.output``), rank 0 waits there for a collective that rank 1 never
+makes, while rank 1 waits in the model's next collective (or distgrad's end-of-trace gather) for
+rank 0: a deadlock that only gloo's own timeout (30 minutes by default) ends, and no thread can
+break it (gloo's ``abort()`` does not wake a blocked collective). Where the two collectives
+differ in size, gloo aborts the process instead ("Received data size doesn't match expected
+size"). Making the collective itself on a group of distgrad's would not help either: values of
+different sizes would abort the same way.
+
+So each request first all-gathers 16 bytes per rank on a gloo group of distgrad's - how many
+requests of its kind this rank has made in the trace and a checksum of its label - waited for in
+slices of ``config.failure_timeout`` seconds (a timed wait on a collective closes nothing). Ranks
+at different requests raise ``TraceStateError`` there, all of them. A rank that has waited a
+slice says so in the job's store; every rank's failure watcher (``distributed._Watch``) then
+writes where its own rank is (``publish_state``): how many requests it has agreed on and whether
+a thread of it sits in torch's collective code. When a peer is behind and sits in torch's
+collective for two slices in a row, it waits for this rank in a collective this rank will never
+join: this rank raises ``TraceStateError``, and the peer hears of it when this rank's script
+ends and the peer's collective breaks (``distributed.py``).
+"""
+from __future__ import annotations
+
+import sys
+import zlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import TraceStateError
+
+
+class Agreement:
+    """A gloo group of distgrad's over the ranks of one kind of request, and the agreements
+    made on it. ``mesh``: a tensor-parallel mesh (the ranks of this rank's mesh group), or None
+    for every rank. ``name`` tells kinds apart in the store."""
+
+    def __init__(self, engine, name: str, mesh=None):
+        self.engine, self.name = engine, name
+        if mesh is None:
+            self.group, self.ranks = dist.new_group(backend="gloo"), list(range(dist.get_world_size()))
+        else:
+            mine = dist.get_process_group_ranks(mesh.get_group())
+            groups = [None] * dist.get_world_size()
+            dist.all_gather_object(groups, sorted(mine))  # every rank makes every group, in order
+            for ranks in sorted({tuple(g) for g in groups}):
+                group = dist.new_group(list(ranks), backend="gloo")
+                if dist.get_rank() in ranks:
+                    self.group, self.ranks = group, list(ranks)
+        engine.agreements.append(self)
+        self.rank, self.world = self.ranks.index(dist.get_rank()), len(self.ranks)
+        self.count = 0    # requests agreed on in this trace
+        self.made = 0     # agreements since wrap (what tests count)
+        self.slices = {}  # peer -> slices in a row it was seen behind, in torch's collective
+
+    def clear(self) -> None:
+        self.count, self.slices = 0, {}
+
+    def agree(self, label: str) -> None:
+        """Return once every rank of the group is at this request; raise if one is elsewhere."""
+        self.count += 1
+        self.made += 1
+        mine = torch.tensor([self.count, zlib.crc32(label.encode())], dtype=torch.int64)
+        table = torch.empty(self.world, 2, dtype=torch.int64)
+        self._wait(self.group.allgather([list(table.unbind(0))], [mine]), label)
+        if not bool((table == mine).all()):
+            raise TraceStateError(_MISMATCH + "; ".join(
+                f"rank {self.ranks[r]} was at its request {int(c)} of the trace"
+                f"{' (' + label + ')' if r == self.rank else ''}" for r, (c, _) in
+                enumerate(table.tolist())) + ", or at another value with that number).")
+
+    # -- waiting, and giving up -----------------------------------------------------------
+    def _wait(self, work, label: str) -> None:
+        from ..backward import config
+        engine, said = self.engine, False
+        while True:
+            try:
+                if work.wait(timedelta(seconds=config.failure_timeout)):
+                    return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise
+            found = engine._watch.read(engine._key_now())
+            if found is not None:
+                raise RuntimeError(f"Connection closed: {found[1]}")
+            if not said:  # ask the peers' watchers where their ranks are
+                said = True
+                engine._store.set(self._asked_key(), "1")
+                continue
+            for peer in self.ranks:
+                if peer == dist.get_rank():
+                    continue
+                count, where = self._state_of(peer)
+                behind = count is not None and count < self.count and where == "collective"
+                self.slices[peer] = self.slices.get(peer, 0) + 1 if behind else 0
+                if self.slices[peer] >= 2:
+                    self._give_up(TraceStateError(
+                        _MISMATCH + f"this rank, {dist.get_rank()}, waits for every rank at {label}, "
+                        f"its request {self.count} of the trace; rank {peer} has made {count} and "
+                        f"waits in another collective, so its body did not make this one)."))
+
+    def _give_up(self, error: Exception):
+        """Raise ``error``, once the peers' watchers have read it: they hear of it only when
+        this process ends (their collective breaks then), and this one may hold the store."""
+        from ..backward import config
+        engine = self.engine
+        key = engine._key_now()
+        try:
+            engine._store.set(key, f"{dist.get_rank()}\nrank {dist.get_rank()}: "
+                                   f"{type(error).__name__}: {error}")
+        except Exception:
+            raise error from None
+        engine._wait_for_readers(key, dist.get_rank(), config.failure_timeout)
+        raise error
+
+    def _asked_key(self) -> str:
+        return f"distgrad/agree-asked/{self.engine._running}"
+
+    def _state_of(self, peer: int):
+        store = self.engine._store
+        key = f"distgrad/agree-state/{self.name}/{self.engine._running}/{peer}"
+        try:
+            if not store.check([key]):
+                return None, None
+            count, where = store.get(key).decode().split(":")
+        except Exception:
+            return None, None
+        return int(count), where
+
+    def publish_state(self, store, rank: int, running: int, where: str) -> None:
+        """From the watcher thread, once a peer has asked (``asked``): where this rank is."""
+        store.set(f"distgrad/agree-state/{self.name}/{running}/{rank}", f"{self.count}:{where}")
+
+
+def asked(store, running: int) -> bool:
+    """Whether a rank waiting in an agreement of trace ``running`` has asked where the others
+    are (read by every rank's watcher, every 0.1 s of a trace)."""
+    return store.check([f"distgrad/agree-asked/{running}"])
+
+
+def where() -> str:
+    """"agreeing" if a thread of this process waits in one of our agreements, "collective" if
+    one is in torch.distributed's code (the model's collectives) or in distgrad's end-of-trace
+    gather, else "running"."""
+    found = "running"
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "_wait" and code.co_filename.endswith("agreement.py"):
+                return "agreeing"
+            name = code.co_filename.replace("\\", "/")
+            if "/torch/distributed/" in name or name.endswith("/engines/collective.py"):
+                found = "collective"  # torch's collectives, or distgrad's end-of-trace gather
+            frame = frame.f_back
+    return found
+
+
+_MISMATCH = ("the body asked for different values on different ranks (a sharded value read whole "
+             "under tensor parallelism, or a parameter's `.grad` on a sharded engine, is a "
+             "collective every rank must make: keep such requests out of rank-dependent branches "
+             "like `if rank == 0:`, make them on every rank and branch on the values; ")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import sys
 import zlib
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -78,22 +77,13 @@ class Agreement:
 
     # -- waiting, and giving up -----------------------------------------------------------
     def _wait(self, work, label: str) -> None:
-        from ..backward import config
-        engine, said = self.engine, False
-        while True:
-            try:
-                if work.wait(timedelta(seconds=config.failure_timeout)):
-                    return
-            except RuntimeError as exc:
-                if "timed out" not in str(exc).lower():
-                    raise
-            found = engine._watch.read(engine._key_now())
-            if found is not None:
-                raise RuntimeError(f"Connection closed: {found[1]}")
-            if not said:  # ask the peers' watchers where their ranks are
-                said = True
-                engine._store.set(self._asked_key(), "1")
-                continue
+        asked = []
+
+        def after_slice():
+            if not asked:  # ask the peers' watchers where their ranks are
+                asked.append(True)
+                self.engine._store.set(self._asked_key(), "1")
+                return
             for peer in self.ranks:
                 if peer == dist.get_rank():
                     continue
@@ -105,6 +95,8 @@ class Agreement:
                         _MISMATCH + f"this rank, {dist.get_rank()}, waits for every rank at {label}, "
                         f"its request {self.count} of the trace; rank {peer} has made {count} and "
                         f"waits in another collective, so its body did not make this one)."))
+
+        self.engine.wait_in_slices(work, after_slice)
 
     def _give_up(self, error: Exception):
         """Raise ``error``, once the peers' watchers have read it: they hear of it only when

@@ -25,6 +25,7 @@ import atexit
 import threading
 import time
 import weakref
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,28 @@ class DistributedEngine(Engine):
             return self._end_trace(saves, error)
         finally:
             self._watch.active.clear()
+
+    def wait_in_slices(self, work, after_slice=lambda: None) -> None:
+        """Wait for a collective on one of distgrad's groups in slices of ``failure_timeout``
+        seconds, reading the failure key after each slice, then calling ``after_slice``. (A
+        timed wait on a collective closes nothing; on a gloo receive it would close the whole
+        group: see ``pipeline_messages.py``.)"""
+        from ..backward import config
+        while True:
+            try:
+                if work.wait(timedelta(seconds=config.failure_timeout)):
+                    return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise
+            self.check_failure()
+            after_slice()
+
+    def check_failure(self) -> None:
+        """Raise, as a broken connection would, if a rank has failed in this trace."""
+        found = self._watch.read(self._key_now())
+        if found is not None:
+            raise RuntimeError(f"Connection closed: {found[1]}")
 
     def agree(self, label: str) -> None:
         """Before a collective for a parameter's gradient (see ``agreement.py``)."""

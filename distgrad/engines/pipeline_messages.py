@@ -28,7 +28,6 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
-from datetime import timedelta
 
 import torch
 
@@ -304,22 +303,16 @@ class Messages:
         return f"distgrad/pipeline-sends/{self.engine._running}"
 
     def _wait(self, work, ending: bool = False) -> None:
-        """Wait for a collective on the channel (a timed wait on one closes nothing), reading
-        the job's failure key every ``failure_timeout`` seconds."""
-        from ..backward import config
-        while True:
-            try:
-                if work.wait(timedelta(seconds=config.failure_timeout)):
-                    return
-            except RuntimeError as exc:
-                if "timed out" not in str(exc).lower():
-                    raise
-            self._check_failure()
-            if ending and not self.told:  # tell a peer waiting for a batch that none is coming
+        """Wait for a collective on the channel, reading the failure key every
+        ``failure_timeout`` seconds; ``ending``: after the first slice, publish this rank's
+        sends for a peer that waits for a batch none is coming of."""
+        def after_slice():
+            if ending and not self.told:
                 self.told = True
                 for dst in range(self.world):
                     tags = ",".join(map(str, self.sent_to.get(dst, ()))) or "?"
                     self.engine._store.set(f"{self._sends_key()}/{self.rank}/{dst}", tags)
+        self.engine.wait_in_slices(work, after_slice)
 
     def _wait_for_batch(self, buf: torch.Tensor, work, src: int, key) -> None:
         """Wait for ``src``'s batch ``key`` to land in ``buf``, giving up if ``src`` has ended
@@ -330,7 +323,7 @@ class Messages:
         from ..backward import config
         done, failed = _HELPERS.wait(work)
         while not done.wait(config.failure_timeout):
-            self._check_failure()
+            self.engine.check_failure()
             sent = self._published(src)
             if sent is not None and _tag(key, 0) not in sent:
                 raise TraceStateError(
@@ -338,11 +331,6 @@ class Messages:
                     f"that rank {src} did not send: its body did not ask for them).")
         if failed:
             raise failed[0]
-
-    def _check_failure(self) -> None:
-        found = self.engine._watch.read(self.engine._key_now())
-        if found is not None:
-            raise RuntimeError(f"Connection closed: {found[1]}")
 
 
 class _Helpers:

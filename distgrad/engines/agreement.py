@@ -88,7 +88,9 @@ class Agreement:
                 if peer == dist.get_rank():
                     continue
                 count, where = self._state_of(peer)
-                behind = count is not None and count < self.count and where == "collective"
+                # behind, and blocked elsewhere: in a collective of torch's or distgrad's, or in
+                # an agreement of another kind (in this one it could not be behind)
+                behind = count is not None and count < self.count and where != "running"
                 self.slices[peer] = self.slices.get(peer, 0) + 1 if behind else 0
                 if self.slices[peer] >= 2:
                     self._give_up(TraceStateError(

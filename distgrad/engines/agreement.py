@@ -44,7 +44,8 @@ class Agreement:
     def __init__(self, engine, name: str, mesh=None):
         self.engine, self.name = engine, name
         if mesh is None:
-            self.group, self.ranks = dist.new_group(backend="gloo"), list(range(dist.get_world_size()))
+            self.group = dist.new_group(backend="gloo")
+            self.ranks = list(range(dist.get_world_size()))
         else:
             mine = dist.get_process_group_ranks(mesh.get_group())
             groups = [None] * dist.get_world_size()
@@ -94,9 +95,10 @@ class Agreement:
                 self.slices[peer] = self.slices.get(peer, 0) + 1 if behind else 0
                 if self.slices[peer] >= 2:
                     self._give_up(TraceStateError(
-                        _MISMATCH + f"this rank, {dist.get_rank()}, waits for every rank at {label}, "
-                        f"its request {self.count} of the trace; rank {peer} has made {count} and "
-                        f"waits in another collective, so its body did not make this one)."))
+                        _MISMATCH + f"this rank, {dist.get_rank()}, waits for every rank at "
+                        f"{label}, its request {self.count} of the trace; rank {peer} has made "
+                        f"{count} and waits in another collective, so its body did not make this "
+                        f"one)."))
 
         self.engine.wait_in_slices(work, after_slice)
 

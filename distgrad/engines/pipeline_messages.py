@@ -19,20 +19,20 @@ every rank runs the same body, so both sides name the same batch.
 
 A receive is never waited for with a timeout: when a timed gloo receive expires, gloo closes
 every connection of the group, so a peer that is merely slow (a long stage) would break the job.
-A batch whose first bytes have landed is waited for in place; one that has not is waited for on a
-helper thread (``_Helpers``) while this one reads, every ``config.failure_timeout`` seconds, the
-job's failure key and the peer's list of sends (``_wait_for_batch``).
+A batch whose first bytes have landed is waited for in place; one that has not is waited for on
+a helper thread (``helper_waits.py``) while this one reads, every ``config.failure_timeout``
+seconds, the job's failure key and the peer's list of sends (``_wait_for_batch``).
 """
 from __future__ import annotations
 
 import struct
-import threading
 import zlib
 
 import torch
 
 from ..errors import OutOfOrderError, TraceStateError
 from .collective import _CODE, _DTYPES
+from .helper_waits import wait_on_a_helper
 
 _CAP = 1 << 16    # bytes of a batch in its first message
 _META = 14        # int64s per value: tag, dtype code, requires_grad, ndim, shape (9), nbytes
@@ -321,7 +321,7 @@ class Messages:
             work.wait()
             return
         from ..backward import config
-        done, failed = _HELPERS.wait(work)
+        done, failed = wait_on_a_helper(work)
         while not done.wait(config.failure_timeout):
             self.engine.check_failure()
             sent = self._published(src)
@@ -331,50 +331,6 @@ class Messages:
                     f"that rank {src} did not send: its body did not ask for them).")
         if failed:
             raise failed[0]
-
-
-class _Helpers:
-    """Threads that wait for receives that might never complete, so that the caller can give
-    up on one. A helper whose receive never completes stays blocked until the connection
-    closes (at the latest when the process exits; it is a daemon), and later waits go to
-    another helper."""
-
-    def __init__(self):
-        self.idle: list = []
-        self.lock = threading.Lock()
-
-    def wait(self, work):
-        """Start waiting for ``work`` on a helper; returns an event set when it ends and a list
-        that then holds the error it raised, if any."""
-        done, failed = threading.Event(), []
-        with self.lock:
-            helper = self.idle.pop() if self.idle else None
-        if helper is None:
-            helper = _Helper(self)
-        helper.jobs.put((work, done, failed))
-        return done, failed
-
-
-class _Helper:
-    def __init__(self, pool: _Helpers):
-        import queue
-        self.pool, self.jobs = pool, queue.SimpleQueue()
-        threading.Thread(target=self._run, daemon=True, name="distgrad-batch-wait").start()
-
-    def _run(self) -> None:
-        while True:
-            work, done, failed = self.jobs.get()
-            try:
-                work.wait()
-            except BaseException as exc:  # handed to the waiting thread
-                failed.append(exc)
-            del work
-            with self.pool.lock:
-                self.pool.idle.append(self)
-            done.set()
-
-
-_HELPERS = _Helpers()
 
 
 _MISMATCH = ("the pipeline body asked for different values on different ranks (every rank runs "

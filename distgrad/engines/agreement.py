@@ -108,12 +108,8 @@ class Agreement:
         from ..backward import config
         engine = self.engine
         key = engine._key_now()
-        try:
-            engine._store.set(key, f"{dist.get_rank()}\nrank {dist.get_rank()}: "
-                                   f"{type(error).__name__}: {error}")
-        except Exception:
-            raise error from None
-        engine._wait_for_readers(key, dist.get_rank(), config.failure_timeout)
+        if engine._tell(key, error):
+            engine._wait_for_readers(key, engine._job_rank, config.failure_timeout)
         raise error
 
     def _asked_key(self) -> str:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..errors import RankFailedError
 from . import collective
+from .agreement import Agreement, asked, where
 from .base import Engine
 
 
@@ -64,7 +65,6 @@ class DistributedEngine(Engine):
         self.agreements: list = []
         self.param_agreement = None
         if self.sharded_params and dist.get_backend() == "gloo":
-            from .agreement import Agreement
             self.param_agreement = Agreement(self, "params")
 
     # The wrapper is what runs the forward, and its output is model.output; engines whose
@@ -154,13 +154,19 @@ class DistributedEngine(Engine):
             return None
         if _is_comm_error(error):
             return self._peer_failure(error)
-        try:
-            self._store.set(self._key(), f"{self._job_rank}\nrank {self._job_rank}: "
-                                         f"{type(error).__name__}: {error}")
-        except Exception:  # the store's host may be gone too; the peers then say "lost"
-            pass
+        self._tell(self._key(), error)
         _break_connections()
         return None  # re-raise the user's own error on this rank
+
+    def _tell(self, key: str, error: BaseException) -> bool:
+        """Write ``error`` under the failure ``key`` for the peers; False if the store is gone
+        (the store's host may have exited; the peers then say "lost")."""
+        try:
+            self._store.set(key, f"{self._job_rank}\nrank {self._job_rank}: "
+                                 f"{type(error).__name__}: {error}")
+            return True
+        except Exception:
+            return False
 
     def _peer_failure(self, error: BaseException) -> RankFailedError:
         from ..backward import config
@@ -243,7 +249,6 @@ class _Watch:
                 self.read(key)
             if agreements:  # where this rank is, if a peer waiting in an agreement asks
                 try:
-                    from .agreement import asked, where
                     if asked(self.store, running):
                         now = where()
                         for agreement in agreements:

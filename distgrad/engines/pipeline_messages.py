@@ -279,7 +279,7 @@ class Messages:
             mine[0, peer] = _digest(self.sent_to.get(peer, ()))
             mine[1, peer] = _digest(got.get(peer, ()))
         table = torch.zeros(self.world, 3, self.world, dtype=torch.int64)
-        self._wait(self.channel.allgather([list(table.unbind(0))], [mine]), ending=True)
+        self._wait_agreeing(self.channel.allgather([list(table.unbind(0))], [mine]))
         wrong = [f"rank {s} sent rank {r} {int(table[s, 0, r]) >> 32} batch(es), rank {r} asked "
                  f"for {int(table[r, 1, s]) >> 32}" for s in range(self.world)
                  for r in range(self.world) if s != r and table[s, 0, r] != table[r, 1, s]]
@@ -302,12 +302,12 @@ class Messages:
     def _sends_key(self) -> str:
         return f"distgrad/pipeline-sends/{self.engine._running}"
 
-    def _wait(self, work, ending: bool = False) -> None:
-        """Wait for a collective on the channel, reading the failure key every
-        ``failure_timeout`` seconds; ``ending``: after the first slice, publish this rank's
-        sends for a peer that waits for a batch none is coming of."""
+    def _wait_agreeing(self, work) -> None:
+        """Wait for the end-of-step all_gather, reading the failure key every
+        ``failure_timeout`` seconds; after the first slice, publish this rank's sends for a
+        peer that waits for a batch none is coming of."""
         def after_slice():
-            if ending and not self.told:
+            if not self.told:
                 self.told = True
                 for dst in range(self.world):
                     tags = ",".join(map(str, self.sent_to.get(dst, ()))) or "?"

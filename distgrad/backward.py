@@ -17,7 +17,7 @@ import greenlet
 import torch
 
 from .errors import TraceStateError
-from .session import BODIES, Body, Session, current_body
+from .session import _UNSET, BODIES, Body, Session, current_body
 
 PLAIN = object()  # read_grad's answer when the read is PyTorch's own
 
@@ -213,9 +213,9 @@ def grad_stop(body: Body, tensor: torch.Tensor):
     if stop is not None and stop.tensor is tensor:
         return stop  # already there (the common ``t.grad = t.grad * 2``)
     block = body.block
-    if block.session is None:
-        return body.trace.invoke_grad(body, tensor)
     session = block.session
+    if session is None:
+        return body.trace.invoke_grad(body, tensor)
     target, split = tensor, None
     if session.views is not None:  # a value shown whole: hook the shard that flows on
         found = session.views.source(tensor)
@@ -225,12 +225,15 @@ def grad_stop(body: Body, tensor: torch.Tensor):
         raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because it "
                          f"does not require grad (computed under torch.no_grad() or from frozen "
                          f"inputs only).")
-    point = session.grad_point(target)
+    point = session.points.get(id(target))
+    if point is None or point.tensor is not target:
+        point = session.grad_point(target)
     if split is not None:
         point.split = split
-    key = (point, point.calls)
-    return session.request(body, key, lambda: grad_passed(block.tensor, tensor, body, target),
-                           tensor=tensor)
+    passed = lambda: grad_passed(block.tensor, tensor, body, target)  # noqa: E731
+    if session.solo:
+        return session.request_solo(body, (point, point.calls), passed, tensor)
+    return session.request(body, (point, point.calls), passed, _UNSET, tensor)
 
 
 def grad_passed(root: torch.Tensor, tensor: torch.Tensor, body: Body, target=None):

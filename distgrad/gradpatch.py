@@ -19,7 +19,7 @@ import greenlet
 import torch
 
 from .backward import PLAIN, read_grad, write_grad
-from .session import BODIES
+from .session import _UNSET, BODIES
 
 _PLAIN = torch._C.TensorBase.__dict__["grad"]
 _getcurrent = greenlet.getcurrent
@@ -40,8 +40,9 @@ def _get(tensor):
         body = BODIES.get(_getcurrent())
         if body is not None:
             stop = body.stop
-            if stop is not None and stop.tensor is tensor:
-                return stop.value()  # the gradient the backward is paused at
+            if stop is not None and stop.tensor is tensor:  # the gradient the backward is at
+                value = stop.replacement
+                return stop.view if value is _UNSET else value
             if _served(tensor):
                 value = read_grad(body, tensor)
                 if value is not PLAIN:
@@ -52,9 +53,14 @@ def _get(tensor):
 def _set(tensor, value):
     if BODIES:
         body = BODIES.get(_getcurrent())
-        if body is not None and body.block is not None and _served(tensor) and tensor.requires_grad:
-            write_grad(body, tensor, value)
-            return
+        if body is not None:
+            stop = body.stop
+            if stop is not None and stop.tensor is tensor:  # `t.grad = t.grad * 2`
+                stop.replace(value, lambda: body.label_of(tensor) + ".grad")
+                return
+            if body.block is not None and _served(tensor) and tensor.requires_grad:
+                write_grad(body, tensor, value)
+                return
     _PLAIN.__set__(tensor, value)
 
 

@@ -32,20 +32,22 @@ def _new_hook_id() -> int:
 class ModulePoint:
     """A module's input (forward pre-hook) or output (forward hook)."""
 
+    __slots__ = ("session", "module", "path", "kind", "calls", "hid", "hooks")
+
     def __init__(self, session, module: torch.nn.Module, path: str, kind: str):
         self.session = session
         self.module = module
         self.path = path
         self.kind = kind  # "input" or "output"
         self.calls = 0
-        self.hid = _new_hook_id()
+        self.hid = hid = _new_hook_id()
         if kind == "output":
-            self.hooks = module._forward_hooks
-            self.hooks[self.hid] = self._on_output
+            self.hooks = hooks = module._forward_hooks
+            hooks[hid] = self._on_output
         else:
-            self.hooks = module._forward_pre_hooks
-            self.hooks[self.hid] = self._on_input
-            module._forward_pre_hooks_with_kwargs[self.hid] = True
+            self.hooks = hooks = module._forward_pre_hooks
+            hooks[hid] = self._on_input
+            module._forward_pre_hooks_with_kwargs[hid] = True
 
     @property
     def label(self) -> str:
@@ -67,7 +69,7 @@ class ModulePoint:
         call = session.microbatch
         if call is None:
             call = self.calls
-            self.calls += 1
+            self.calls = call + 1
         key = (self, call)
         if key in session.wanted:
             return session.hand(key, output)
@@ -78,7 +80,7 @@ class ModulePoint:
         call = session.microbatch
         if call is None:
             call = self.calls
-            self.calls += 1
+            self.calls = call + 1
         key = (self, call)
         if key in session.wanted:
             return session.hand(key, (args, kwargs))
@@ -94,9 +96,11 @@ class GradPoint:
     """The gradient flowing into one tensor during a backward block (a tensor hook)."""
 
     kind = "grad"
+    __slots__ = ("session", "tensor", "calls", "split", "hooks", "hid", "handle")
 
     def __init__(self, session, tensor: torch.Tensor):
         self.session = session
+        self.tensor = tensor
         self.calls = 0
         self.split = None  # how the gradient is sharded (tensor parallel), to show it whole
         # A hook on the tensor itself: fires with the gradient w.r.t. exactly this tensor, and
@@ -108,8 +112,10 @@ class GradPoint:
                 hooks = tensor._backward_hooks = OrderedDict()
                 if tensor.grad_fn is not None:
                     tensor.grad_fn._register_hook_dict(tensor)
-            self.hooks, self.hid = hooks, _new_hook_id()
-            hooks[self.hid] = self._on_grad
+            self.hooks = hooks
+            self.hid = hid = RemovableHandle.next_id
+            RemovableHandle.next_id = hid + 1
+            hooks[hid] = self._on_grad
             self.handle = None
         else:
             self.hooks = None
@@ -117,10 +123,11 @@ class GradPoint:
 
     def _on_grad(self, grad):
         call = self.calls
-        self.calls += 1
+        self.calls = call + 1
         key = (self, call)
-        if key in self.session.wanted:
-            return self.session.hand(key, grad)
+        session = self.session
+        if key in session.wanted:
+            return session.hand(key, grad)
         return _NO_REPLY
 
     def remove(self):

@@ -45,6 +45,7 @@ def _outcome(fn):
 # made a tiny forward 40 us slower than the same forward run directly. So each thread keeps
 # idle runner greenlets and reuses them: one is created per thread, more only for nested runs.
 _idle = threading.local()
+_getcurrent = greenlet.getcurrent
 
 
 def _runner(fn):
@@ -72,24 +73,26 @@ class GreenletRun:
 
     def resume(self, reply=None):
         # The run returns to whoever resumed it: the body, or the invoke scheduler.
-        if self.glet is None:
-            self.glet = _take_runner()
-            self.glet.parent = greenlet.getcurrent()
-            event = self.glet.switch(self.fn)
+        glet = self.glet
+        if glet is None:
+            self.glet = glet = _take_runner()
+            glet.parent = _getcurrent()
+            event = glet.switch(self.fn)
         else:
-            self.glet.parent = greenlet.getcurrent()
-            event = self.glet.switch(reply)
+            glet.parent = _getcurrent()
+            event = glet.switch(reply)
         if event[0] != "point":
             self._done()
         return event
 
     def hand(self, key, value):
-        if greenlet.getcurrent() is not self.glet:
+        glet = self.glet
+        if _getcurrent() is not glet:
             raise RuntimeError(
                 "distgrad: a hook fired on a thread other than the one running the trace "
                 f"({threading.current_thread().name}). For a backward on an accelerator set "
                 "distgrad.config.backward_mode = 'thread'.")
-        return self.glet.parent.switch(("point", key, value))
+        return glet.parent.switch(("point", key, value))
 
     def abort(self):
         if self.glet is not None:

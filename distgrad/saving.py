@@ -8,10 +8,13 @@ an invoke block, and what a parallel engine gathers to rank 0.
 """
 from __future__ import annotations
 
+import greenlet
 import torch
 
 from .errors import TraceStateError
-from .session import current_body
+from .session import BODIES, current_body
+
+_getcurrent = greenlet.getcurrent
 
 
 GATHER_MODES = ("rank0", "all", "none")
@@ -49,6 +52,11 @@ _previous_save = None  # a Tensor.save another library defined before distgrad w
 
 def _tensor_save(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """distgrad: keep this tensor for use after the trace (see ``distgrad.save``)."""
+    if not args and not kwargs and BODIES:  # `t.save()` in a body: save() written out
+        body = BODIES.get(_getcurrent())
+        if body is not None:
+            body.saves.append((self, "rank0", 0))
+            return self
     if _previous_save is not None and current_body() is None:
         return _previous_save(self, *args, **kwargs)  # not ours: e.g. nnsight's own trace
     return save(self, *args, **kwargs)

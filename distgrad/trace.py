@@ -14,7 +14,7 @@ import torch
 from . import batching, capture, engines
 from .envoy import Envoy
 from .errors import OutOfOrderError, TraceStateError
-from .session import BODIES, Body, Session
+from .session import _UNSET, BODIES, Body, Session
 
 
 class Model(Envoy):
@@ -202,13 +202,16 @@ class Trace:
                         f"{path}.{kind} and {path}.local.{kind} name one value in two forms "
                         f"(whole and this rank's shard); read one of them per call.")
                 return stop  # the body is at this very call: read/write it again
+            if session.solo:
+                return session.request_solo(body, (point, point.calls), point.passed, None,
+                                            envoy._local)
             call = point.calls
         elif call < point.calls and not (body.stop is not None and body.stop.key == (point, call)):
             raise OutOfOrderError(
                 f"{point.path}.{kind} (call {call}) was requested after the run had already "
                 f"passed it (the module has run {point.calls} time(s) since the trace first named "
                 f"it). Name repeated modules before the forward reaches them.")
-        return session.request(body, (point, call), point.passed, local=envoy._local)
+        return session.request(body, (point, call), point.passed, _UNSET, None, envoy._local)
 
     def _new_point(self, session: Session, envoy: Envoy, kind: str):
         point = session.module_point(envoy._module, _plain_path(envoy), kind)
@@ -220,13 +223,13 @@ class Trace:
         covered = session.covered
         if not covered:
             session.module_point(self.engine.root, "model", "output")
-        for outer in envoy._ancestors():
-            # by path, not module: a module reachable along two paths has two sets of ancestors
-            if outer._path in covered:
-                break
+        outer = envoy._parent
+        # by path, not module: a module reachable along two paths has two sets of ancestors
+        while outer is not None and outer._path not in covered:
             covered.add(outer._path)
             if not isinstance(outer._module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
                 session.module_point(outer._module, outer._path, "output")
+            outer = outer._parent
         return point
 
 

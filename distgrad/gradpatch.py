@@ -18,7 +18,7 @@ from __future__ import annotations
 import greenlet
 import torch
 
-from .backward import PLAIN, read_grad, write_grad
+from .backward import PLAIN, grad_stop, read_grad, write_grad
 from .session import _UNSET, BODIES
 
 _PLAIN = torch._C.TensorBase.__dict__["grad"]
@@ -44,6 +44,10 @@ def _get(tensor):
                 value = stop.replacement
                 return stop.view if value is _UNSET else value
             if _served(tensor):
+                if body.block is not None:  # read_grad written out
+                    stop = grad_stop(body, tensor)
+                    value = stop.replacement
+                    return stop.view if value is _UNSET else value
                 value = read_grad(body, tensor)
                 if value is not PLAIN:
                     return value

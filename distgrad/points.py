@@ -40,7 +40,8 @@ class ModulePoint:
         self.path = path
         self.kind = kind  # "input" or "output"
         self.calls = 0
-        self.hid = hid = _new_hook_id()
+        self.hid = hid = RemovableHandle.next_id  # _new_hook_id() written out
+        RemovableHandle.next_id = hid + 1
         if kind == "output":
             self.hooks = hooks = module._forward_hooks
             hooks[hid] = self._on_output

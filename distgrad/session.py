@@ -135,11 +135,11 @@ class Session:
                      and views is None)
 
     # -- points ---------------------------------------------------------------------------
-    def module_point(self, module, path: str, kind: str) -> ModulePoint:
-        points = self.points
-        point = points.get((id(module), kind))
+    def module_point(self, module, path: str, kind: str, new: bool = False) -> ModulePoint:
+        """``new``: the caller has just found none for this module and kind."""
+        point = None if new else self.points.get((id(module), kind))
         if point is None:
-            point = points[(id(module), kind)] = ModulePoint(self, module, path, kind)
+            point = self.points[(id(module), kind)] = ModulePoint(self, module, path, kind)
             self.installed.append(point)
         return point
 
@@ -191,7 +191,9 @@ class Session:
         reply = None
         if stop is not None:
             body.stop = None
-            reply = stop.reply()
+            reply = stop.replacement
+            if reply is _UNSET:
+                reply = stop.reply()
         wanted = self.wanted
         wanted[key] = 1
         try:

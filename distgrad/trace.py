@@ -214,7 +214,8 @@ class Trace:
         return session.request(body, (point, call), point.passed, _UNSET, None, envoy._local)
 
     def _new_point(self, session: Session, envoy: Envoy, kind: str):
-        point = session.module_point(envoy._module, _plain_path(envoy), kind)
+        path = envoy._path if envoy._call is None and not envoy._local else _plain_path(envoy)
+        point = session.module_point(envoy._module, path, kind, new=True)
         # PyTorch decides at the start of a module's call whether to run its forward hooks; a
         # module with no hook then never sees one added mid-call. Giving every enclosing module
         # a (counting, silent) output point before the run enters it keeps `model.output` and

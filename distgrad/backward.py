@@ -227,7 +227,7 @@ def grad_stop(body: Body, tensor: torch.Tensor):
                          f"inputs only).")
     point = session.points.get(id(target))
     if point is None or point.tensor is not target:
-        point = session.grad_point(target)
+        point = session.grad_point(target, new=True)
     if split is not None:
         point.split = split
     passed = lambda: grad_passed(block.tensor, tensor, body, target)  # noqa: E731

@@ -143,8 +143,9 @@ class Session:
             self.installed.append(point)
         return point
 
-    def grad_point(self, tensor) -> GradPoint:
-        point = self.points.get(id(tensor))
+    def grad_point(self, tensor, new: bool = False) -> GradPoint:
+        """``new``: the caller has just found none for this tensor."""
+        point = None if new else self.points.get(id(tensor))
         if point is None or point.tensor is not tensor:
             point = self.points[id(tensor)] = GradPoint(self, tensor)
             self.installed.append(point)

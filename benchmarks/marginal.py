@@ -1,0 +1,157 @@
+"""What each further read+edit costs, measured where the model's own time hides it less.
+
+    python benchmarks/marginal.py [--layers 40] [--steps 200] [--no-nnsight]
+
+overhead.py's part B fits a slope over k = 1..6 hooked layers of a tiny GPT-2. A GPT-2 step
+takes 16 ms here and drifts by a few hundred microseconds, so that slope carries a standard error
+of 10-30 us: too coarse to tell 60 us from 90 us. Here the model is a stack of ``--layers``
+``Linear(16, 16)`` layers (about 0.1 ms of compute each), and each variant runs with every layer
+read and edited (k = layers) and with none (k = 0), in turns. Per read+edit:
+
+    cost(variant) = (median(k = layers) - median(k = 0)) / layers
+    overhead      = cost(distgrad or nnsight) - cost(raw hooks)
+
+Two programs: "read" reads ``model[i].output`` only (a forward pause each); "read+edit" is the
+README program per layer (forward read, then in the backward block ``a.grad.save()`` and
+``a.grad = a.grad * 2``). Raw hooks do the same with a forward hook and a tensor hook.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+import distgrad
+from overhead import bench
+
+
+def make_mlp(layers: int) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
+
+
+def raw_read(net, x, k):
+    kept = []
+
+    def on_output(module, args, out):
+        kept.append(out)
+
+    handles = [net[i].register_forward_hook(on_output) for i in range(k)]
+    try:
+        torch.autograd.backward(net(x).sum())
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def raw_edit(net, x, k):
+    saved, handles = [], []
+
+    def on_grad(g):
+        saved.append(g.clone())
+        return g * 2
+
+    def on_output(module, args, out):
+        out.register_hook(on_grad)
+
+    for i in range(k):
+        handles.append(net[i].register_forward_hook(on_output))
+    try:
+        torch.autograd.backward(net(x).sum())
+    finally:
+        for h in handles:
+            h.remove()
+    return saved[::-1]
+
+
+# One source for distgrad and nnsight, as in overhead.py.
+def traced_read(model, x, k):
+    with model.trace(x):
+        [model[i].output for i in range(k)]
+        loss = model.output.sum()
+        with loss.backward():
+            pass
+
+
+def traced_edit(model, x, k):
+    gs = []
+    with model.trace(x):
+        acts = [model[i].output for i in range(k)]
+        loss = model.output.sum()
+        with loss.backward():
+            for a in reversed(acts):
+                gs.append(a.grad.save())
+                a.grad = a.grad * 2
+    return gs[::-1]
+
+
+def per_layer(times: dict, layers: int) -> dict:
+    return {name: (times[name, layers] - times[name, 0]) / layers for name, _ in times}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--steps", type=int, default=200, help="timed steps per variant and k")
+    p.add_argument("--repeats", type=int, default=3, help="whole measurements; the median is kept")
+    p.add_argument("--no-nnsight", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    n = a.layers
+    x = torch.randn(2, 16)
+    net = make_mlp(n)
+    libs = {"distgrad": distgrad.wrap(net)}
+
+    ref = raw_edit(net, x, n)
+    ref_grads = [q.grad.clone() for q in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    ok = all(torch.allclose(r, g, atol=1e-6) for r, g in zip(ref, traced_edit(libs["distgrad"], x, n)))
+    ok = ok and all(torch.allclose(r, q.grad, atol=1e-6) for r, q in zip(ref_grads, net.parameters()))
+    print(f"numerics distgrad vs raw hooks ({n} layers, saved and parameter gradients): "
+          f"{'OK' if ok else 'MISMATCH'}")
+
+    results = {"distgrad": []}
+    for _ in range(a.repeats):
+        variants = {}
+        for prog, raw, traced in (("read", raw_read, traced_read), ("read+edit", raw_edit, traced_edit)):
+            for k in (0, n):
+                variants[(f"raw {prog}", k)] = (raw, net, (net, x, k))
+                variants[(f"distgrad {prog}", k)] = (traced, net, (libs["distgrad"], x, k))
+        results["distgrad"].append(per_layer(bench(variants, a.steps, rounds=10, warmup=10), n))
+
+    if not a.no_nnsight:
+        # nnsight last, as in overhead.py: undo distgrad's import-time patches first.
+        torch.Tensor.backward = getattr(torch.Tensor.backward, "__wrapped__", torch.Tensor.backward)
+        for patched in ("save", "grad"):
+            if patched in torch.Tensor.__dict__:
+                delattr(torch.Tensor, patched)
+        from nnsight import NNsight
+        import copy
+        nn_net = copy.deepcopy(net)
+        nns = NNsight(nn_net)
+        results["nnsight"] = []
+        for _ in range(a.repeats):
+            variants = {}
+            for prog, raw, traced in (("read", raw_read, traced_read),
+                                      ("read+edit", raw_edit, traced_edit)):
+                for k in (0, n):
+                    variants[(f"raw {prog}", k)] = (raw, net, (net, x, k))
+                    variants[(f"nnsight {prog}", k)] = (traced, nn_net, (nns, x, k))
+            results["nnsight"].append(per_layer(bench(variants, a.steps, rounds=10, warmup=10), n))
+
+    print(f"\n## Per read on a {n}-layer Linear(16, 16) stack, batch 2 (median of {a.repeats} "
+          f"measurements of {a.steps} steps each)\n")
+    print("| library | program | raw hooks us | library us | overhead us |\n|---|---|---:|---:|---:|")
+    for lib, runs in results.items():
+        for prog in ("read", "read+edit"):
+            raw = statistics.median(r[f"raw {prog}"] for r in runs)
+            own = statistics.median(r[f"{lib} {prog}"] for r in runs)
+            over = statistics.median(r[f"{lib} {prog}"] - r[f"raw {prog}"] for r in runs)
+            print(f"| {lib} | {prog} | {raw:.1f} | {own:.1f} | {over:.1f} |")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

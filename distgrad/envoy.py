@@ -22,7 +22,7 @@ class Envoy:
     # __dict__ holds child envoys by attribute name once looked up, so that `model.transformer`
     # is a plain attribute read the second time (no __getattr__ call).
     __slots__ = ("_module", "_path", "_children", "_call", "_parent", "_engine", "_local",
-                 "__dict__")
+                 "_kept", "__dict__")
 
     def __init__(self, module: torch.nn.Module, path: str, call: int | None = None,
                  parent: "Envoy | None" = None, engine=None):
@@ -34,6 +34,7 @@ class Envoy:
         object.__setattr__(self, "_call", call)
         object.__setattr__(self, "_parent", parent)
         object.__setattr__(self, "_local", False)
+        object.__setattr__(self, "_kept", None)  # points kept between traces (trace._new_point)
 
     def _ancestors(self):
         envoy = self._parent

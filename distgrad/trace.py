@@ -214,8 +214,20 @@ class Trace:
         return session.request(body, (point, call), point.passed, _UNSET, None, envoy._local)
 
     def _new_point(self, session: Session, envoy: Envoy, kind: str):
-        path = envoy._path if envoy._call is None and not envoy._local else _plain_path(envoy)
-        point = session.module_point(envoy._module, path, kind, new=True)
+        kept = envoy._kept  # this envoy's points from earlier traces, by kind
+        point = kept.get(kind) if kept is not None else None
+        if point is not None and point.session is None:
+            point.arm(session)
+            session.points[(id(envoy._module), kind)] = point
+            session.installed.append(point)
+        elif envoy._call is None and not envoy._local:
+            point = session.module_point(envoy._module, envoy._path, kind, new=True)
+            if kept is None:
+                object.__setattr__(envoy, "_kept", {kind: point})
+            else:
+                kept[kind] = point
+        else:  # .call(i) and .local envoys are made per use: nothing to keep
+            point = session.module_point(envoy._module, _plain_path(envoy), kind, new=True)
         # PyTorch decides at the start of a module's call whether to run its forward hooks; a
         # module with no hook then never sees one added mid-call. Giving every enclosing module
         # a (counting, silent) output point before the run enters it keeps `model.output` and

@@ -11,12 +11,14 @@ makes, while rank 1 waits in the model's next collective (or distgrad's end-of-t
 rank 0: a deadlock that only gloo's own timeout (30 minutes by default) ends, and no thread can
 break it (gloo's ``abort()`` does not wake a blocked collective). Where the two collectives
 differ in size, gloo aborts the process instead ("Received data size doesn't match expected
-size"). Making the collective itself on a group of distgrad's would not help either: values of
-different sizes would abort the same way.
+size").
 
-So each request first all-gathers 16 bytes per rank on a gloo group of distgrad's - how many
-requests of its kind this rank has made in the trace and a checksum of its label - waited for in
-slices of ``config.failure_timeout`` seconds (a timed wait on a collective closes nothing). Ranks
+So each request all-gathers, on a gloo group of distgrad's, how many requests of its kind this
+rank has made in the trace and a checksum of its label (``agree``: 16 bytes per rank, before a
+parameter gradient's collective). A tensor-parallel shard travels in the same collective
+(``gather``): after those numbers, its shape and its bytes padded to a capacity the ranks share,
+so that ranks at values of different sizes still send the same number of bytes - one collective
+per value shown whole. The collective is waited for in slices of ``config.failure_timeout`` seconds (a timed wait on a collective closes nothing). Ranks
 at different requests raise ``TraceStateError`` there, all of them. A rank that has waited a
 slice says so in the job's store; every rank's failure watcher (``distributed._Watch``) then
 writes where its own rank is (``publish_state``): how many requests it has agreed on and whether
@@ -59,6 +61,7 @@ class Agreement:
         self.count = 0    # requests agreed on in this trace
         self.made = 0     # agreements since wrap (what tests count)
         self.slices = {}  # peer -> slices in a row it was seen behind, in torch's collective
+        self.capacity = 0  # payload bytes every rank sends in gather(); grows, never shrinks
 
     def clear(self) -> None:
         self.count, self.slices = 0, {}
@@ -70,6 +73,47 @@ class Agreement:
         mine = torch.tensor([self.count, zlib.crc32(label.encode())], dtype=torch.int64)
         table = torch.empty(self.world, 2, dtype=torch.int64)
         self._wait(self.group.allgather([list(table.unbind(0))], [mine]), label)
+        self._check(table, label)
+
+    def gather(self, label: str, local: torch.Tensor, coord: int) -> list[torch.Tensor]:
+        """``agree`` and an all-gather of ``local`` in one collective: every rank's tensor (a
+        detached copy), ordered by ``coord`` (the rank's place on the mesh dimension).
+
+        Each rank sends the agreement's numbers, its tensor's shape and size, and its bytes
+        padded to a capacity the ranks share, so the collective has one size on every rank
+        whatever each one holds (gloo aborts the process on a size mismatch). A tensor larger
+        than the capacity costs a second collective, once: every rank sees the size needed."""
+        self.count += 1
+        self.made += 1
+        local = local.detach().contiguous()
+        nbytes = local.numel() * local.element_size()
+        if local.dim() > _MAX_DIMS:
+            raise NotImplementedError(f"{label}: distgrad shows sharded values of at most "
+                                      f"{_MAX_DIMS} dimensions.")
+        head = [self.count, zlib.crc32(label.encode()), coord, nbytes, local.dim(),
+                *local.shape, *[0] * (_MAX_DIMS - local.dim())]
+        while True:
+            capacity = self.capacity
+            send = torch.zeros(_HEAD * 8 + capacity, dtype=torch.uint8)
+            send[:_HEAD * 8].view(torch.int64).copy_(torch.tensor(head))
+            if nbytes <= capacity:
+                send[_HEAD * 8: _HEAD * 8 + nbytes].copy_(local.view(-1).view(torch.uint8))
+            rows = torch.empty(self.world, _HEAD * 8 + capacity, dtype=torch.uint8)
+            self._wait(self.group.allgather([list(rows.unbind(0))], [send]), label)
+            heads = rows[:, :_HEAD * 8].view(torch.int64)
+            self._check(heads[:, :2], label)
+            needed = int(heads[:, 3].max())
+            if needed <= capacity:
+                break
+            self.capacity = (needed * 5 // 4 + 7) // 8 * 8  # the same on every rank
+        pieces = []
+        for row, h in sorted(zip(rows, heads.tolist()), key=lambda pair: pair[1][2]):
+            shape = h[5: 5 + h[4]]
+            pieces.append(row[_HEAD * 8: _HEAD * 8 + h[3]].view(local.dtype).view(shape))
+        return pieces
+
+    def _check(self, table: torch.Tensor, label: str) -> None:
+        mine = table[self.rank]
         if not bool((table == mine).all()):
             raise TraceStateError(_MISMATCH + "; ".join(
                 f"rank {self.ranks[r]} was at its request {int(c)} of the trace"
@@ -153,6 +197,9 @@ def where() -> str:
             frame = frame.f_back
     return found
 
+
+_MAX_DIMS = 8
+_HEAD = 5 + _MAX_DIMS  # int64s: count, label checksum, mesh coordinate, bytes, ndim, shape
 
 _MISMATCH = ("the body asked for different values on different ranks (a sharded value read whole "
              "under tensor parallelism, or a parameter's `.grad` on a sharded engine, is a "

@@ -126,6 +126,21 @@ def _piece(full: torch.Tensor, mesh, placements) -> torch.Tensor:
     return piece.contiguous()
 
 
+class _Joined(torch.autograd.Function):
+    """The ranks' shards joined along ``dim``, as a function of this rank's shard: its gradient
+    is the matching slice of the whole's (local, as for ``DTensor.full_tensor()``)."""
+
+    @staticmethod
+    def forward(ctx, local, dim, coord, *pieces):
+        ctx.dim, ctx.size, ctx.pieces = dim, local.shape[dim], len(pieces)
+        ctx.start = sum(piece.shape[dim] for piece in pieces[:coord])
+        return torch.cat([local if i == coord else piece for i, piece in enumerate(pieces)], dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.narrow(ctx.dim, ctx.start, ctx.size), None, None) + (None,) * ctx.pieces
+
+
 class TensorParallelViews:
     """Shows the body whole values and puts its replies back as shards (see the module text)."""
 
@@ -153,12 +168,16 @@ class TensorParallelViews:
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, DTensor):
                 split = (leaf.device_mesh, tuple(leaf.placements), True, leaf.shape, leaf.stride())
-                self._agree(label)
-                whole = leaf.full_tensor().clone()  # editable in place (see _whole)
+                whole = self._gathered(leaf.to_local(), split[0], split[1], label)
+                if whole is None:
+                    self._agree(label)
+                    whole = leaf.full_tensor().clone()  # editable in place (see _whole)
             elif plain is not None and isinstance(leaf, torch.Tensor):
                 split = (self.mesh, (plain,), False, None, None)
-                self._agree(label)
-                whole = _whole(leaf, self.mesh, split[1])
+                whole = self._gathered(leaf, self.mesh, split[1], label)
+                if whole is None:
+                    self._agree(label)
+                    whole = _whole(leaf, self.mesh, split[1])
             else:
                 continue
             shown[i] = whole
@@ -212,12 +231,31 @@ class TensorParallelViews:
 
     def show_grad(self, split, grad):
         mesh, placements, is_dtensor, _, _ = split
-        self._agree(f"a gradient of shape {tuple(grad.shape)}")
+        label = f"a gradient of shape {tuple(grad.shape)}"
         with torch.no_grad():
             if isinstance(grad, _dtensor()):
                 split = (grad.device_mesh, tuple(grad.placements), True, grad.shape, grad.stride())
-                return grad.full_tensor(), split
-            return _whole(grad, mesh, placements), split
+                whole = self._gathered(grad.to_local(), split[0], split[1], label)
+                if whole is None:
+                    self._agree(label)
+                    whole = grad.full_tensor()
+                return whole, split
+            whole = self._gathered(grad, mesh, placements, label)
+            if whole is None:
+                self._agree(label)
+                whole = _whole(grad, mesh, placements)
+            return whole, split
+
+    def _gathered(self, local: torch.Tensor, mesh, placements, label: str):
+        """The whole of a shard through the agreement's one collective, which also checks that
+        every rank is at this value (agreement.py); None where the mesh is not on the CPU or
+        the value is not one shard of a 1-D mesh (then: an agreement, and DTensor's gather)."""
+        if (self.agreement is None or len(placements) != 1 or not placements[0].is_shard()
+                or mesh != self.mesh or local.dim() == 0):
+            return None
+        coord = mesh.get_local_rank()
+        pieces = self.agreement.gather(label, local, coord)
+        return _Joined.apply(local, placements[0].dim % local.dim(), coord, *pieces)
 
     def _agree(self, label: str) -> None:
         """Every rank is at this value before the gather (agreement.py)."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 import greenlet
 import torch
 
-from .backward import PLAIN, grad_stop, read_grad, write_grad
-from .session import _UNSET, BODIES
+from .backward import PLAIN, read_grad, write_grad
+from .session import BODIES
 
 _PLAIN = torch._C.TensorBase.__dict__["grad"]
 _getcurrent = greenlet.getcurrent
@@ -41,13 +41,8 @@ def _get(tensor):
         if body is not None:
             stop = body.stop
             if stop is not None and stop.tensor is tensor:  # the gradient the backward is at
-                value = stop.replacement
-                return stop.view if value is _UNSET else value
+                return stop.value()
             if _served(tensor):
-                if body.block is not None:  # read_grad written out
-                    stop = grad_stop(body, tensor)
-                    value = stop.replacement
-                    return stop.view if value is _UNSET else value
                 value = read_grad(body, tensor)
                 if value is not PLAIN:
                     return value

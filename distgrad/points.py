@@ -16,6 +16,13 @@ _NO_REPLY = None
 _Tensor = torch.Tensor
 
 
+def _new_hook_id() -> int:
+    # The counter torch's own handles draw from, so an id never collides with a user's hook.
+    hid = RemovableHandle.next_id
+    RemovableHandle.next_id = hid + 1
+    return hid
+
+
 # Why not register_forward_hook / register_hook: each builds a RemovableHandle (a weakref per
 # dict, an id, a closure) and removing it walks those again - about a third of what one
 # `.output` or `.grad` read cost. A point needs only its entry in the hook dict PyTorch reads,
@@ -31,9 +38,7 @@ class ModulePoint:
         self.module = module
         self.path = path
         self.kind = kind  # "input" or "output"
-        # the counter torch's own handles draw from, so an id never collides with a user's hook
-        self.hid = hid = RemovableHandle.next_id
-        RemovableHandle.next_id = hid + 1
+        self.hid = _new_hook_id()
         self.fire = self._on_output if kind == "output" else self._on_input
         self.arm(session)
 
@@ -115,8 +120,7 @@ class GradPoint:
                 if tensor.grad_fn is not None:
                     tensor.grad_fn._register_hook_dict(tensor)
             self.hooks = hooks
-            self.hid = hid = RemovableHandle.next_id
-            RemovableHandle.next_id = hid + 1
+            self.hid = hid = _new_hook_id()
             hooks[hid] = self._on_grad
             self.handle = None
         else:

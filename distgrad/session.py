@@ -139,16 +139,20 @@ class Session:
         """``new``: the caller has just found none for this module and kind."""
         point = None if new else self.points.get((id(module), kind))
         if point is None:
-            point = self.points[(id(module), kind)] = ModulePoint(self, module, path, kind)
-            self.installed.append(point)
+            point = self.install((id(module), kind), ModulePoint(self, module, path, kind))
         return point
 
     def grad_point(self, tensor, new: bool = False) -> GradPoint:
         """``new``: the caller has just found none for this tensor."""
         point = None if new else self.points.get(id(tensor))
         if point is None or point.tensor is not tensor:
-            point = self.points[id(tensor)] = GradPoint(self, tensor)
-            self.installed.append(point)
+            point = self.install(id(tensor), GradPoint(self, tensor))
+        return point
+
+    def install(self, key, point):
+        """Make ``point`` (armed for this session) the one for ``key``; removed at close."""
+        self.points[key] = point
+        self.installed.append(point)
         return point
 
     # -- the body side --------------------------------------------------------------------
@@ -188,17 +192,10 @@ class Session:
         # read+edit, and each step of the general path is a few hundred nanoseconds here.
         if self.finished:
             raise _passed(passed_message)
-        stop = body.stop
-        reply = None
-        if stop is not None:
-            body.stop = None
-            reply = stop.replacement
-            if reply is _UNSET:
-                reply = stop.reply()
         wanted = self.wanted
         wanted[key] = 1
         try:
-            event = self.run.resume(reply)
+            event = self.run.resume(self._reply())
         finally:
             del wanted[key]
         if event[0] == "point":  # only this key is wanted, so the run paused at it

@@ -218,8 +218,7 @@ class Trace:
         point = kept.get(kind) if kept is not None else None
         if point is not None and point.session is None:
             point.arm(session)
-            session.points[(id(envoy._module), kind)] = point
-            session.installed.append(point)
+            session.install((id(envoy._module), kind), point)
         elif envoy._call is None and not envoy._local:
             point = session.module_point(envoy._module, envoy._path, kind, new=True)
             if kept is None:

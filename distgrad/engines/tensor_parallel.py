@@ -168,16 +168,12 @@ class TensorParallelViews:
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, DTensor):
                 split = (leaf.device_mesh, tuple(leaf.placements), True, leaf.shape, leaf.stride())
-                whole = self._gathered(leaf.to_local(), split[0], split[1], label)
-                if whole is None:
-                    self._agree(label)
-                    whole = leaf.full_tensor().clone()  # editable in place (see _whole)
+                whole = self._gathered(leaf.to_local(), split[0], split[1], label,
+                                       lambda: leaf.full_tensor().clone())  # editable (_whole)
             elif plain is not None and isinstance(leaf, torch.Tensor):
                 split = (self.mesh, (plain,), False, None, None)
-                whole = self._gathered(leaf, self.mesh, split[1], label)
-                if whole is None:
-                    self._agree(label)
-                    whole = _whole(leaf, self.mesh, split[1])
+                whole = self._gathered(leaf, self.mesh, split[1], label,
+                                       lambda: _whole(leaf, self.mesh, split[1]))
             else:
                 continue
             shown[i] = whole
@@ -235,24 +231,20 @@ class TensorParallelViews:
         with torch.no_grad():
             if isinstance(grad, _dtensor()):
                 split = (grad.device_mesh, tuple(grad.placements), True, grad.shape, grad.stride())
-                whole = self._gathered(grad.to_local(), split[0], split[1], label)
-                if whole is None:
-                    self._agree(label)
-                    whole = grad.full_tensor()
-                return whole, split
-            whole = self._gathered(grad, mesh, placements, label)
-            if whole is None:
-                self._agree(label)
-                whole = _whole(grad, mesh, placements)
-            return whole, split
+                return self._gathered(grad.to_local(), split[0], split[1], label,
+                                      grad.full_tensor), split
+            return self._gathered(grad, mesh, placements, label,
+                                  lambda: _whole(grad, mesh, placements)), split
 
-    def _gathered(self, local: torch.Tensor, mesh, placements, label: str):
+    def _gathered(self, local: torch.Tensor, mesh, placements, label: str, otherwise):
         """The whole of a shard through the agreement's one collective, which also checks that
-        every rank is at this value (agreement.py); None where the mesh is not on the CPU or
-        the value is not one shard of a 1-D mesh (then: an agreement, and DTensor's gather)."""
+        every rank is at this value (agreement.py). Where the mesh is not on the CPU or the
+        value is not one shard of a 1-D mesh: an agreement (on the CPU), then ``otherwise()``
+        (DTensor's gather)."""
         if (self.agreement is None or len(placements) != 1 or not placements[0].is_shard()
                 or mesh != self.mesh or local.dim() == 0):
-            return None
+            self._agree(label)
+            return otherwise()
         coord = mesh.get_local_rank()
         pieces = self.agreement.gather(label, local, coord)
         return _Joined.apply(local, placements[0].dim % local.dim(), coord, *pieces)

@@ -114,3 +114,18 @@ def test_deepspeed_pipeline_engine(microbatches, tmp_path, mode="auto"):
 def test_deepspeed_pipeline_engine_in_a_worker_thread(tmp_path):
     """The same with train_batch in a worker thread, as when CUDA is in use."""
     test_deepspeed_pipeline_engine(2, tmp_path, mode="thread")
+
+
+def test_deepspeed_pipeline_rank_dependent_request_raises(tmp_path):
+    """Only the last stage asks for a stage-0 value, and DeepSpeed's messages carry no batch of
+    distgrad's: the last stage waits for one that never comes while stage 0 waits in
+    train_batch for it. It asks where stage 0 is after one failure timeout (3 s), learns that
+    the batch went without the value, and raises TraceStateError; stage 0 hears of it. (Before,
+    both waited for gloo's 30-minute timeout.)"""
+    job = str(Path(__file__).parent / "dist" / "ds_pipe_job.py")
+    procs = run_ranks([job, "--microbatches", "2", "--out", str(tmp_path),
+                       "--cases", "rank_dependent"], 2, timeout=120)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result.get("case_rank_dependent") == "ok", f"rank {rank}:\n{result}"

@@ -58,6 +58,7 @@ class Agreement:
                 if dist.get_rank() in ranks:
                     self.group, self.ranks = group, list(ranks)
         engine.agreements.append(self)
+        engine.answering.append(self)
         self.rank, self.world = self.ranks.index(dist.get_rank()), len(self.ranks)
         self.count = 0    # requests agreed on in this trace
         self.made = 0     # agreements since wrap (what tests count)
@@ -128,7 +129,7 @@ class Agreement:
         def after_slice():
             if not asked:  # ask the peers' watchers where their ranks are
                 asked.append(True)
-                self.engine._store.set(self._asked_key(), "1")
+                ask(self.engine._store, self.engine._running)
                 return
             for peer in self.ranks:
                 if peer == dist.get_rank():
@@ -157,9 +158,6 @@ class Agreement:
             engine._wait_for_readers(key, engine._job_rank, config.failure_timeout)
         raise error
 
-    def _asked_key(self) -> str:
-        return f"distgrad/agree-asked/{self.engine._running}"
-
     def _state_of(self, peer: int):
         store = self.engine._store
         key = f"distgrad/agree-state/{self.name}/{self.engine._running}/{peer}"
@@ -176,9 +174,15 @@ class Agreement:
         store.set(f"distgrad/agree-state/{self.name}/{running}/{rank}", f"{self.count}:{where}")
 
 
+def ask(store, running: int) -> None:
+    """Ask every rank's failure watcher to say where its rank is in trace ``running``: a rank
+    waiting in an agreement, or for a pipeline batch, that has waited one slice."""
+    store.set(f"distgrad/agree-asked/{running}", "1")
+
+
 def asked(store, running: int) -> bool:
-    """Whether a rank waiting in an agreement of trace ``running`` has asked where the others
-    are (read by every rank's watcher, every 0.1 s of a trace)."""
+    """Whether a waiting rank has asked where the others are in trace ``running`` (read by
+    every rank's watcher, every 0.1 s of a trace)."""
     return store.check([f"distgrad/agree-asked/{running}"])
 
 

@@ -63,6 +63,9 @@ class DistributedEngine(Engine):
         # rank-dependent requests raise instead of hanging (agreement.py): parameter gradients
         # of sharded engines here, tensor-parallel views in tensor_parallel.py
         self.agreements: list = []
+        # what this rank's failure watcher asks to say where the rank is when a waiting peer
+        # asks (``publish_state``): the agreements, and a pipeline step's messages while it runs
+        self.answering: list = []
         self.param_agreement = None
         if self.sharded_params and dist.get_backend() == "gloo":
             self.param_agreement = Agreement(self, "params")
@@ -243,16 +246,16 @@ class _Watch:
             if engine is None or not dist.is_initialized():
                 return
             key = engine._key_now()  # the trace now running, also in its end-of-trace gather
-            running, agreements = engine._running, list(engine.agreements)
+            running, answering = engine._running, list(engine.answering)
             del engine
             if key not in self.seen:
                 self.read(key)
-            if agreements:  # where this rank is, if a peer waiting in an agreement asks
+            if answering:  # where this rank is, if a waiting peer asks
                 try:
                     if asked(self.store, running):
                         now = where()
-                        for agreement in agreements:
-                            agreement.publish_state(self.store, self.rank, running, now)
+                        for one in answering:
+                            one.publish_state(self.store, self.rank, running, now)
                 except Exception:
                     pass
 

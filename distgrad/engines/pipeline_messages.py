@@ -32,6 +32,7 @@ import torch
 
 from ..errors import OutOfOrderError, TraceStateError
 from .collective import _CODE, _DTYPES
+from .agreement import ask
 from .helper_waits import wait_on_a_helper
 
 _CAP = 1 << 16    # bytes of a batch in its first message
@@ -59,7 +60,8 @@ class Messages:
         self.rank, self.world = engine._job_rank, engine._job_world
         self.told = False         # whether this rank's sends are in the store (see _agree)
         self.outbox: dict = {}    # key -> {dst: [(tag, copy of the value)]}
-        self.sent: set = set()    # keys whose batches have gone
+        self.sent: set = set()    # keys whose batches are going (no value may join them)
+        self.gone: list = []      # tags of the keys whose batches have gone (publish_state)
         self.pending: list = []   # send works and their buffers, until finish()
         self.posted: dict = {}    # (src, key) -> [buffer, work]; work None once unpacked
         self.got: dict = {}       # (src, tag) -> value unpacked from a batch
@@ -94,6 +96,7 @@ class Messages:
             self.outbox[key] = {carrier: batches.pop(carrier, [])}
         for dst, entries in batches.items():
             self._send(_pack(entries), dst, key)
+        self.gone.append(_tag(key, 0))  # after the sends: a peer reading it sees them too
 
     def _send(self, data: torch.Tensor, dst: int, key, carried: bool = False) -> None:
         # sent from the bytes as they are: keep them until it went. A carried batch went with
@@ -267,7 +270,10 @@ class Messages:
     # when its step ends every rank compares, in one small all_gather, what it sent each peer
     # with what that peer received, and all raise alike if they differ. A rank that waits in
     # vain for a batch of a peer that has finished its step finds out from the peer's list of
-    # sends, which a rank whose end-of-step check takes long writes to the job's store.
+    # sends, which a rank whose end-of-step check takes long writes to the job's store. A rank
+    # that waits in vain during the step (a batch off the schedule's messages: DeepSpeed's
+    # pipeline, GPUs, stages that are not neighbours) asks the peer's failure watcher, which
+    # writes what its rank has sent so far and which batches have gone (``publish_state``).
     def _agree(self) -> None:
         mine = torch.zeros(3, self.world, dtype=torch.int64)
         mine[2, 0] = len(self.got)  # values a peer sent for requests this body did not make
@@ -289,15 +295,31 @@ class Messages:
             raise TraceStateError(_MISMATCH + "; ".join(wrong) + ").")
 
     def _published(self, src: int):
-        """The tags ``src`` sent this rank, if ``src`` has finished its step and said so."""
+        """What ``src`` has said it sent this rank: ``(tags of the batches sent, tags of the
+        moments whose batches have gone, or None for all of them)``, or None if it has said
+        nothing yet."""
         store, key = self.engine._store, f"{self._sends_key()}/{src}/{self.rank}"
         try:
             if not store.check([key]):
                 return None
-            sent = store.get(key).decode()
+            sent, gone = store.get(key).decode().split(";")
         except Exception:
             return None
-        return {int(t) for t in sent.split(",") if t} if sent != "?" else set()
+        tags = {int(t) for t in sent.split(",") if t}
+        return tags, None if gone == "*" else {int(t) for t in gone.split(",") if t}
+
+    def _publish(self, store, gone: str) -> None:
+        for dst in range(self.world):
+            if dst != self.rank:
+                sent = ",".join(map(str, self.sent_to.get(dst, ())))
+                store.set(f"{self._sends_key()}/{self.rank}/{dst}", f"{sent};{gone}")
+
+    def publish_state(self, store, rank: int, running: int, where: str) -> None:
+        """From this rank's failure watcher (another thread), once a waiting peer has asked:
+        the batches sent so far. (Snapshots: every list here only grows, and a batch whose
+        moment has gone never comes.)"""
+        if not self.told:
+            self._publish(store, ",".join(map(str, list(self.gone))))
 
     def _sends_key(self) -> str:
         return f"distgrad/pipeline-sends/{self.engine._running}"
@@ -309,9 +331,7 @@ class Messages:
         def after_slice():
             if not self.told:
                 self.told = True
-                for dst in range(self.world):
-                    tags = ",".join(map(str, self.sent_to.get(dst, ()))) or "?"
-                    self.engine._store.set(f"{self._sends_key()}/{self.rank}/{dst}", tags)
+                self._publish(self.engine._store, "*")  # every batch has gone
         self.engine.wait_in_slices(work, after_slice)
 
     def _wait_for_batch(self, buf: torch.Tensor, work, src: int, key) -> None:
@@ -322,10 +342,15 @@ class Messages:
             return
         from ..backward import config
         done, failed = wait_on_a_helper(work)
+        tag, asked = _tag(key, 0), False
         while not done.wait(config.failure_timeout):
             self.engine.check_failure()
-            sent = self._published(src)
-            if sent is not None and _tag(key, 0) not in sent:
+            if not asked:  # src's failure watcher then says what src has sent (publish_state)
+                asked = True
+                ask(self.engine._store, self.engine._running)
+            published = self._published(src)
+            if published is not None and tag not in published[0] and (
+                    published[1] is None or tag in published[1]):
                 raise TraceStateError(
                     _MISMATCH + f"this rank, {self.rank}, waits for values of batch {key} "
                     f"that rank {src} did not send: its body did not ask for them).")

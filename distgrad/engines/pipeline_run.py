@@ -51,11 +51,13 @@ class PipelineRun:
             BODIES[glet] = body
             glets.append(glet)
         restore = self._instrument()
+        engine.answering.append(self.messages)  # what it has sent, for a peer that asks
         try:
             self._schedule(bodies, glets)
             session.finish()  # the bodies are done; the step runs on with their last replies
             self.messages.finish()
         finally:
+            engine.answering.remove(self.messages)
             restore()
             for glet in glets:
                 BODIES.pop(glet, None)

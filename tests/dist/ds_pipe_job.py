@@ -1,5 +1,6 @@
 """DeepSpeed's pipeline engine: the demo's 4-block MLP as a PipelineModule over the ranks (one
-stage each), one train_batch per trace. Usage: ds_pipe_job.py --microbatches M --out DIR.
+stage each), one train_batch per trace. Usage: ds_pipe_job.py --microbatches M --out DIR
+[--cases {train_batch,rank_dependent}].
 
 Oracle (pp_job.oracle): the unsplit model on one process with the same edits; DeepSpeed
 backpropagates each microbatch's loss / M, so the body's gradients equal the whole batch's, and
@@ -17,7 +18,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distgrad  # noqa: E402
-from cases import close, run_cases  # noqa: E402
+from cases import close, expect_error, run_cases  # noqa: E402
 from pp_job import batch, build, oracle  # noqa: E402
 
 LR = 0.1
@@ -50,11 +51,31 @@ def case_train_batch(model, net, engine, ctx):
                   f"{name} after train_batch's SGD step")
 
 
+def case_rank_dependent(model, net, engine, ctx):
+    """Only the last stage asks for stage 0's layers[1] output. DeepSpeed's messages carry no
+    batch of distgrad's, so the last stage waits for one that stage 0 never sends, while stage 0
+    waits in train_batch for the last stage's gradients. The last stage asks where stage 0 is,
+    learns it has sent that batch without the value, and raises; stage 0 hears of it."""
+    m = ctx["m"]
+    x, y = batch()
+    micro = list(zip(x.chunk(m), y.chunk(m)))
+
+    def run():
+        with model.trace(micro) as tr:
+            if ctx["rank"] == ctx["world"] - 1:
+                model.layers[1].output
+            with tr.loss.backward():
+                pass
+
+    expect_error(run, distgrad.TraceStateError, "did not send")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--out", required=True)
     parser.add_argument("--backward-mode", default="auto", help="distgrad.config.backward_mode")
+    parser.add_argument("--cases", default="train_batch", choices=["train_batch", "rank_dependent"])
     args = parser.parse_args()
     distgrad.config.backward_mode = args.backward_mode
     import deepspeed
@@ -71,9 +92,10 @@ def main():
     engine, *_ = deepspeed.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=LR),
                                       config=config)
     model = distgrad.wrap(engine, full_model=net)
-    ctx = {"rank": rank, "m": args.microbatches,
+    ctx = {"rank": rank, "world": world, "m": args.microbatches,
            "mine": list(range(pipe._local_start, pipe._local_stop))}
-    run_cases((case_train_batch,), args.out, rank, model, net, engine, ctx)
+    case = {"train_batch": case_train_batch, "rank_dependent": case_rank_dependent}[args.cases]
+    run_cases((case,), args.out, rank, model, net, engine, ctx)
 
 
 if __name__ == "__main__":

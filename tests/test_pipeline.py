@@ -55,6 +55,17 @@ def test_four_stages_on_four_ranks(tmp_path):
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 
+@pytest.mark.slow
+def test_rank_dependent_request_to_a_far_stage_raises(tmp_path):
+    """Four stages; only rank 2 asks for a value of stage 0, which is not its neighbour, so the
+    batch would be a message of its own (not on the schedule's). Stage 0 never sends it and
+    waits in the schedule; rank 2 asks where stage 0 is after one failure timeout, learns the
+    batch went without the value and raises; every other rank hears of it."""
+    for rank, result in enumerate(_job(tmp_path, "1f1b", 4, 4, cases="rank_dependent_far")):
+        assert result.get("case_rank_dependent_far") == "ok", \
+            f"rank {rank}:\n{result.get('case_rank_dependent_far')}"
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_late_forward_read_raises_instead_of_hanging(schedule, tmp_path):
     for rank, result in enumerate(_job(tmp_path, schedule, 2, 2, cases="late_read")):

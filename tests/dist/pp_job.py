@@ -196,6 +196,24 @@ def case_rank_dependent(model, net, ctx):
     expect_error(run, distgrad.TraceStateError, "different values on different ranks")
 
 
+def case_rank_dependent_far(model, net, ctx):
+    """Four stages: only rank 2 asks for stage 0's layers[0] output. Stage 0 is not its
+    neighbour, so that batch would come on a message of its own, not on the schedule's; stage 0
+    never sends it and goes on to wait in the schedule. Rank 2 asks where stage 0 is (stage 0's
+    failure watcher answers), learns the batch went without the value, and raises; the others
+    hear of it instead of waiting for gloo's timeout."""
+    x, y = batch()
+
+    def run():
+        with model.trace(x, target=y) as tr:
+            if ctx["rank"] == 2:
+                model.layers[0].output
+            with tr.loss.backward():
+                pass
+
+    expect_error(run, distgrad.TraceStateError, "did not send")
+
+
 def slow_last_backward(net, ctx, seconds: float):
     """On rank 0, the last microbatch's backward through layers[0] takes ``seconds`` longer (a
     tensor hook on its weight): stage 0 ends its step that much after the last stage, which
@@ -313,7 +331,7 @@ def main():
     parser.add_argument("--cases", default="all",
                         choices=["all", "failure", "late_read", "after_loss", "grad_order",
                                  "cross_grad", "killed", "rank_dependent", "rank_dependent_grad",
-                                 "slow_owner"])
+                                 "rank_dependent_far", "slow_owner"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
@@ -342,6 +360,7 @@ def main():
              "cross_grad": (case_cross_grad,), "killed": (case_killed,),
              "rank_dependent": (case_rank_dependent,),
              "rank_dependent_grad": (case_rank_dependent_grad,),
+             "rank_dependent_far": (case_rank_dependent_far,),
              "slow_owner": (case_slow_owner,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, ctx)
 

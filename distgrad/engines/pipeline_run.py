@@ -54,6 +54,8 @@ class PipelineRun:
         engine.answering.append(self.messages)  # what it has sent, for a peer that asks
         try:
             self._schedule(bodies, glets)
+            # every request is made: the check of them travels while the step runs on
+            self.messages.start_check()
             session.finish()  # the bodies are done; the step runs on with their last replies
             self.messages.finish()
         finally:
@@ -291,6 +293,7 @@ class PipelineRun:
 
     # -- waiting for a value from another stage -------------------------------------------------
     def _wait_remote(self, body, event, src: int, tag: int):
+        self.messages.want(src, tag)
         self.messages.expect(src, event)  # posted now, it arrives while the body waits
         if event in self.fired:
             return self.messages.take(src, event, tag)

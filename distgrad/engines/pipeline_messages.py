@@ -27,6 +27,7 @@ seconds, the job's failure key and the peer's list of sends (``_wait_for_batch``
 from __future__ import annotations
 
 import struct
+import time
 import zlib
 
 import torch
@@ -361,19 +362,24 @@ class Messages:
     def _wait_agreeing(self, theirs: torch.Tensor, work) -> None:
         """Wait for a peer's numbers of the end-of-step check, reading the failure key every
         ``failure_timeout`` seconds; after the first slice, publish this rank's sends for a
-        peer that waits for a batch none is coming of."""
-        if int(theirs[0]) != -1:  # landed, or landing: nothing can stop it now
-            work.wait()
-            return
-        from ..backward import config
-        done, failed = wait_on_a_helper(work)
-        while not done.wait(config.failure_timeout):
-            self.engine.check_failure()
-            if not self.told:
-                self.told = True
-                self._publish(self.engine._store, "*")  # every batch has gone
-        if failed:
-            raise failed[0]
+        peer that waits for a batch none is coming of. Until their first number lands this
+        polls the buffer, with sleeps of at most 0.2 ms, rather than hand the receive to a
+        helper thread: a thread left blocked in a gloo receive when a failure ends the job can
+        abort the process at exit ("terminate called without an active exception")."""
+        first = theirs.numpy()
+        if first[0] == -1:
+            from ..backward import config
+            pause, slice_ends = 0.00005, time.monotonic() + config.failure_timeout
+            while first[0] == -1:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.0002)
+                if time.monotonic() > slice_ends:
+                    self.engine.check_failure()
+                    if not self.told:
+                        self.told = True
+                        self._publish(self.engine._store, "*")  # every batch has gone
+                    slice_ends = time.monotonic() + config.failure_timeout
+        work.wait()  # landed, or landing: nothing can stop it now
 
     def _wait_for_batch(self, buf: torch.Tensor, work, src: int, key) -> None:
         """Wait for ``src``'s batch ``key`` to land in ``buf``, giving up if ``src`` has ended

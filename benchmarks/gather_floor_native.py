@@ -1,0 +1,69 @@
+"""Would C++ lower the gather's per-tensor floor? Rebinding S saved tensors to the rows of one
+block, from Python (``unbind`` + ``tensor.data =``, what ``engines/collective.py`` does) and from
+a C++ extension built here with ``torch.utils.cpp_extension.load_inline`` (``unbind`` below
+autograd's view tracking + ``set_data``; needs a C++ compiler, builds in about 30 s).
+
+    python benchmarks/gather_floor_native.py
+
+Tensors of ddp_overhead.py's shape ([2, 8, 64] float32 per rank, 2 ranks), grad mode off, median
+of 2000 calls each. See docs/performance.md (the DDP section) for what the numbers mean.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+SOURCE = r"""
+#include <torch/extension.h>
+void rebind_rows(std::vector<at::Tensor> targets, const at::Tensor& block) {
+  at::AutoDispatchBelowADInplaceOrView below_view_tracking;
+  auto rows = block.unbind(0);
+  for (size_t i = 0; i < targets.size(); ++i) targets[i].set_data(rows[i]);
+}
+"""
+
+
+def median_us(fn, tensors, originals, steps=2000) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+        for tensor, original in zip(tensors, originals):
+            tensor.data = original
+    return statistics.median(times) / 1e3
+
+
+def main() -> int:
+    t0 = time.time()
+    native = load_inline("distgrad_gather_floor_probe", cpp_sources=SOURCE,
+                         functions=["rebind_rows"])
+    print(f"built and loaded in {time.time() - t0:.1f} s")
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    print("| saved tensors S | Python us | C++ us |\n|---:|---:|---:|")
+    for s in (1, 4, 16, 64):
+        tensors = [torch.randn(2, 8, 64) for _ in range(s)]
+        originals = [t.data for t in tensors]
+        block = torch.empty(s, 4, 8, 64)
+
+        def python():
+            for tensor, value in zip(tensors, block.unbind(0)):
+                tensor.data = value
+
+        def cpp():
+            native.rebind_rows(tensors, block)
+        cpp()
+        assert tensors[-1].shape == (4, 8, 64) and tensors[-1].data_ptr() == block[-1].data_ptr()
+        for tensor, original in zip(tensors, originals):
+            tensor.data = original
+        print(f"| {s} | {median_us(python, tensors, originals):.1f} | "
+              f"{median_us(cpp, tensors, originals):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

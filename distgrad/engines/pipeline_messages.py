@@ -33,8 +33,8 @@ import zlib
 import torch
 
 from ..errors import OutOfOrderError, TraceStateError
-from .collective import _CODE, _DTYPES
 from .agreement import ask
+from .collective import _CODE, _DTYPES
 from .helper_waits import wait_on_a_helper
 
 _CAP = 1 << 16    # bytes of a batch in its first message
@@ -71,7 +71,7 @@ class Messages:
         # compared across ranks when the step ends (start_check, _agree)
         self.promised: dict = {}  # dst -> [tags of values this rank sends it]
         self.wanted: dict = {}    # src -> [tags of values this rank's bodies asked it for]
-        self.check = None         # (this rank's numbers, their sends, every peer's (buffer, receive))
+        self.check = None         # (this rank's numbers, sends, {peer: (buffer, receive)})
 
     # -- the owner ---------------------------------------------------------------------------
     def send(self, value, tag: int, keys: dict) -> None:
@@ -285,12 +285,13 @@ class Messages:
     # every rank sends every other, once its bodies are done, the tags of the values it owes
     # and is owed by each rank; when the step ends each compares the whole table, and all
     # raise alike if two ranks differ. (Sent while the step runs on, that costs a rank whose
-    # bodies end early nothing at the end; an all_gather at the end cost about 1 ms.) A rank that waits in
-    # vain for a batch of a peer that has finished its step finds out from the peer's list of
-    # sends, which a rank whose end-of-step check takes long writes to the job's store. A rank
-    # that waits in vain during the step (a batch off the schedule's messages: DeepSpeed's
-    # pipeline, GPUs, stages that are not neighbours) asks the peer's failure watcher, which
-    # writes what its rank has sent so far and which batches have gone (``publish_state``).
+    # bodies end early nothing at the end; an all_gather at the end cost about 1 ms.) A rank
+    # that waits in vain for a batch of a peer that has finished its step finds out from the
+    # peer's list of sends, which a rank whose end-of-step check takes long writes to the job's
+    # store. A rank that waits in vain during the step (a batch off the schedule's messages:
+    # DeepSpeed's pipeline, GPUs, stages that are not neighbours) asks the peer's failure
+    # watcher, which writes what its rank has sent so far and which batches have gone
+    # (``publish_state``).
     def start_check(self) -> None:
         """Once this rank's bodies are done (they have made every request they will make): send
         every peer this rank's numbers - for each rank, the count and checksum of the value tags

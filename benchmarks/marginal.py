@@ -90,6 +90,30 @@ def traced_edit(model, x, k):
     return gs[::-1]
 
 
+def _add_hook(hooks: dict, fn) -> int:
+    """An entry in one of PyTorch's hook dicts, as ``register_*_hook`` makes it."""
+    hid = RemovableHandle.next_id
+    RemovableHandle.next_id = hid + 1
+    hooks[hid] = fn
+    return hid
+
+
+def _tensor_hooks(tensor) -> dict:
+    """A non-leaf tensor's dict of gradient hooks, made as ``Tensor.register_hook`` does."""
+    hooks = tensor._backward_hooks
+    if hooks is None:
+        hooks = tensor._backward_hooks = OrderedDict()
+        tensor.grad_fn._register_hook_dict(tensor)
+    return hooks
+
+
+def _doubled(g):
+    reply = g * 2
+    if not (reply.shape == g.shape and reply.dtype == g.dtype and reply.device == g.device):
+        raise ValueError("replacement does not match")
+    return reply
+
+
 def floor_edit(net, x, k):
     """The leanest body-as-coroutine read+edit I could write (greenlets, hook dict entries, one
     closure per hook, the replacement's shape/dtype/device check; no bodies, points, labels,
@@ -112,10 +136,7 @@ def floor_edit(net, x, k):
         def hook(module, args, output):
             return fwd.parent.switch(output) if fwd.want is hook else None
         hooks = net[i]._forward_hooks
-        hid = RemovableHandle.next_id
-        RemovableHandle.next_id = hid + 1
-        hooks[hid] = hook
-        added.append((hooks, hid))
+        added.append((hooks, _add_hook(hooks, hook)))
         fwd.want = hook
         acts.append(resume(fwd, None))
     fwd.want = None
@@ -128,19 +149,11 @@ def floor_edit(net, x, k):
     for a in reversed(acts):
         def on_grad(grad):
             return bwd.parent.switch(grad) if bwd.want is on_grad else None
-        hooks = a._backward_hooks
-        if hooks is None:
-            hooks = a._backward_hooks = OrderedDict()
-            a.grad_fn._register_hook_dict(a)
-        hid = RemovableHandle.next_id
-        RemovableHandle.next_id = hid + 1
-        hooks[hid] = on_grad
+        _add_hook(_tensor_hooks(a), on_grad)
         bwd.want = on_grad
         g = resume(bwd, reply).clone()
         gs.append(g)
-        reply = g * 2
-        if not (reply.shape == g.shape and reply.dtype == g.dtype and reply.device == g.device):
-            raise ValueError("replacement does not match")
+        reply = _doubled(g)
     bwd.want = None
     resume(bwd, reply)
     return gs[::-1]
@@ -155,26 +168,14 @@ def nocoroutine_edit(net, x, k):
     def on_grad(grad):
         g = grad.clone()
         gs.append(g)
-        reply = g * 2
-        if not (reply.shape == g.shape and reply.dtype == g.dtype and reply.device == g.device):
-            raise ValueError("replacement does not match")
-        return reply
+        return _doubled(g)
 
     def hook(module, args, output):
-        hooks = output._backward_hooks
-        if hooks is None:
-            hooks = output._backward_hooks = OrderedDict()
-            output.grad_fn._register_hook_dict(output)
-        hid = RemovableHandle.next_id
-        RemovableHandle.next_id = hid + 1
-        hooks[hid] = on_grad
+        _add_hook(_tensor_hooks(output), on_grad)
 
     for i in range(k):
         hooks = net[i]._forward_hooks
-        hid = RemovableHandle.next_id
-        RemovableHandle.next_id = hid + 1
-        hooks[hid] = hook
-        added.append((hooks, hid))
+        added.append((hooks, _add_hook(hooks, hook)))
     out = net(x)
     for hooks, hid in added:
         del hooks[hid]

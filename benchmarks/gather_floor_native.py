@@ -10,11 +10,12 @@ of 2000 calls each. See docs/performance.md (the DDP section) for what the numbe
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 from torch.utils.cpp_extension import load_inline
+
+from gather_floor import median_us
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -24,17 +25,6 @@ void rebind_rows(std::vector<at::Tensor> targets, const at::Tensor& block) {
   for (size_t i = 0; i < targets.size(); ++i) targets[i].set_data(rows[i]);
 }
 """
-
-
-def median_us(fn, tensors, originals, steps=2000) -> float:
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-        for tensor, original in zip(tensors, originals):
-            tensor.data = original
-    return statistics.median(times) / 1e3
 
 
 def main() -> int:
@@ -50,18 +40,18 @@ def main() -> int:
         originals = [t.data for t in tensors]
         block = torch.empty(s, 4, 8, 64)
 
-        def python():
+        def python(tensors, block):
             for tensor, value in zip(tensors, block.unbind(0)):
                 tensor.data = value
 
-        def cpp():
+        def cpp(tensors, block):
             native.rebind_rows(tensors, block)
-        cpp()
+        cpp(tensors, block)
         assert tensors[-1].shape == (4, 8, 64) and tensors[-1].data_ptr() == block[-1].data_ptr()
         for tensor, original in zip(tensors, originals):
             tensor.data = original
-        print(f"| {s} | {median_us(python, tensors, originals):.1f} | "
-              f"{median_us(cpp, tensors, originals):.1f} |")
+        print(f"| {s} | {median_us(python, tensors, block, originals, 2000):.1f} | "
+              f"{median_us(cpp, tensors, block, originals, 2000):.1f} |")
     return 0
 
 

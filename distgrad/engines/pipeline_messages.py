@@ -186,7 +186,7 @@ class Messages(RequestChecks):
         if copy_to is not None:
             copy_to.detach().view(-1).view(torch.uint8).copy_(both[:size])
         src = self._carrier(phase)
-        self.posted[(src, key)] = [None, None, "carried"]
+        self.posted[(src, key)] = [None, None]  # arrived with the schedule's bytes
         if struct.unpack_from("<q", view, size)[0] != -1:
             self._parse(src, key, both[size:])
 
@@ -206,9 +206,7 @@ class Messages(RequestChecks):
         received."""
         for key in list(self.outbox):
             self.flush(key)
-        if self.check is None:
-            self.start_check()
-        self._agree()
+        self._agree()  # (the run started the check when its bodies were done)
         # every send now has a receive posted: it completes unless a connection breaks
         for _, work in self.pending:
             if work is not None:

@@ -90,9 +90,11 @@ def timed(step, net, *args) -> int:
     return time.perf_counter_ns() - t0
 
 
-def bench(variants: dict, steps: int, rounds: int = 30, warmup: int = 20) -> dict:
-    """variants: name -> (step, net, args) -> median us. The variants take turns in short
-    blocks (rounds x steps/rounds) so that machine drift and noise hit all of them alike."""
+def bench(variants: dict, steps: int, rounds: int = 30, warmup: int = 20,
+          stat=statistics.median) -> dict:
+    """variants: name -> (step, net, args) -> ``stat`` of the step times in us (``stat=None``:
+    the list of times). The variants take turns in short blocks (rounds x steps/rounds) so that
+    machine drift and noise hit all of them alike."""
     for step, net, args in variants.values():
         for _ in range(warmup):
             timed(step, net, *args)
@@ -102,7 +104,9 @@ def bench(variants: dict, steps: int, rounds: int = 30, warmup: int = 20) -> dic
         gc.collect()  # no collector pass left over from the previous round
         for name, (step, net, args) in variants.items():
             times[name] += [timed(step, net, *args) for _ in range(per_round)]
-    return {name: statistics.median(t) / 1e3 for name, t in times.items()}  # us
+    if stat is None:
+        return {name: [ns / 1e3 for ns in t] for name, t in times.items()}  # us
+    return {name: stat(t) / 1e3 for name, t in times.items()}  # us
 
 
 def slope(ks, us) -> tuple[float, float]:

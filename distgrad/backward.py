@@ -17,6 +17,7 @@ import greenlet
 import torch
 
 from .errors import TraceStateError
+from .points import GradPoint
 from .session import _UNSET, BODIES, Body, Session, current_body
 
 PLAIN = object()  # read_grad's answer when the read is PyTorch's own
@@ -200,7 +201,9 @@ def read_grad(body: Body, tensor: torch.Tensor):
                 f"{body.label_of(tensor)}.grad was read outside a backward block. Gradients "
                 f"exist only while the backward runs: read it inside `with loss.backward():`.")
         return PLAIN
-    return grad_stop(body, tensor).value()
+    stop = grad_stop(body, tensor)
+    value = stop.replacement
+    return stop.view if value is _UNSET else value
 
 
 def write_grad(body: Body, tensor: torch.Tensor, value) -> None:
@@ -216,24 +219,34 @@ def grad_stop(body: Body, tensor: torch.Tensor):
     session = block.session
     if session is None:
         return body.trace.invoke_grad(body, tensor)
+    if session.solo:  # one body, whole values: the rest of this function, short
+        if not tensor.requires_grad:
+            raise _no_grad_flows(body, tensor)
+        point = session.points.get(id(tensor))
+        if point is None or point.tensor is not tensor:
+            point = GradPoint(session, tensor)
+        return session.request_solo(body, (point, point.calls),
+                                    lambda: grad_passed(block.tensor, tensor, body), tensor)
     target, split = tensor, None
     if session.views is not None:  # a value shown whole: hook the shard that flows on
         found = session.views.source(tensor)
         if found is not None:
             target, split = found
     if not target.requires_grad:
-        raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because it "
-                         f"does not require grad (computed under torch.no_grad() or from frozen "
-                         f"inputs only).")
+        raise _no_grad_flows(body, tensor)
     point = session.points.get(id(target))
     if point is None or point.tensor is not target:
         point = session.grad_point(target, new=True)
     if split is not None:
         point.split = split
     passed = lambda: grad_passed(block.tensor, tensor, body, target)  # noqa: E731
-    if session.solo:
-        return session.request_solo(body, (point, point.calls), passed, tensor)
     return session.request(body, (point, point.calls), passed, _UNSET, tensor)
+
+
+def _no_grad_flows(body: Body, tensor) -> ValueError:
+    return ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because it does "
+                      f"not require grad (computed under torch.no_grad() or from frozen inputs "
+                      f"only).")
 
 
 def grad_passed(root: torch.Tensor, tensor: torch.Tensor, body: Body, target=None):

@@ -18,8 +18,9 @@ from __future__ import annotations
 import greenlet
 import torch
 
-from .backward import PLAIN, read_grad, write_grad
-from .session import BODIES
+from .backward import PLAIN, grad_stop, read_grad, write_grad
+from .errors import check_replacement_grad
+from .session import _UNSET, BODIES
 
 _PLAIN = torch._C.TensorBase.__dict__["grad"]
 _getcurrent = greenlet.getcurrent
@@ -35,14 +36,22 @@ def _served(tensor) -> bool:
             and not tensor.retains_grad)
 
 
+# _get and _set run for every `.grad` in a body (three times per read+edit), so the common
+# cases are written out here rather than called: Stop.value(), _served(), Stop.replace().
 def _get(tensor):
     if BODIES:
         body = BODIES.get(_getcurrent())
         if body is not None:
             stop = body.stop
             if stop is not None and stop.tensor is tensor:  # the gradient the backward is at
-                return stop.value()
-            if _served(tensor):
+                value = stop.replacement
+                return stop.view if value is _UNSET else value
+            if ((tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter))
+                    and not tensor.retains_grad):
+                if body.block is not None:  # read_grad(), written out
+                    stop = grad_stop(body, tensor)
+                    value = stop.replacement
+                    return stop.view if value is _UNSET else value
                 value = read_grad(body, tensor)
                 if value is not PLAIN:
                     return value
@@ -55,7 +64,11 @@ def _set(tensor, value):
         if body is not None:
             stop = body.stop
             if stop is not None and stop.tensor is tensor:  # `t.grad = t.grad * 2`
-                stop.replace(value, lambda: body.label_of(tensor) + ".grad")
+                old = stop.view
+                if not (value.__class__ is _Tensor and value.shape == old.shape
+                        and value.dtype == old.dtype and value.device == old.device):
+                    check_replacement_grad(lambda: body.label_of(tensor) + ".grad", old, value)
+                stop.replacement = value
                 return
             if body.block is not None and _served(tensor) and tensor.requires_grad:
                 write_grad(body, tensor, value)

@@ -32,19 +32,21 @@ def _new_hook_id() -> int:
 class ModulePoint:
     """A module's input (forward pre-hook) or output (forward hook)."""
 
-    __slots__ = ("session", "module", "path", "kind", "calls", "hid", "hooks", "fire")
+    __slots__ = ("session", "module", "path", "kind", "calls", "hid", "hooks", "fire", "key")
 
     def __init__(self, session, module: torch.nn.Module, path: str, kind: str):
         self.module = module
         self.path = path
         self.kind = kind  # "input" or "output"
+        self.key = (id(module), kind)  # its key in a session's points
         self.hid = _new_hook_id()
         self.fire = self._on_output if kind == "output" else self._on_input
         self.arm(session)
 
     def arm(self, session) -> None:
-        """Install the hook for ``session``. An envoy keeps its points between traces and arms
-        them again: making a point was a third of what a plain ``.output`` read cost."""
+        """Install the hook for ``session`` and enter the point in the session's tables. An
+        envoy keeps its points between traces and arms them again: making a point was a third
+        of what a plain ``.output`` read cost."""
         self.session = session
         self.calls = 0
         module, hid = self.module, self.hid
@@ -54,6 +56,8 @@ class ModulePoint:
             self.hooks = hooks = module._forward_pre_hooks
             module._forward_pre_hooks_with_kwargs[hid] = True
         hooks[hid] = self.fire
+        session.points[self.key] = self
+        session.installed.append(self)
 
     @property
     def label(self) -> str:
@@ -120,12 +124,15 @@ class GradPoint:
                 if tensor.grad_fn is not None:
                     tensor.grad_fn._register_hook_dict(tensor)
             self.hooks = hooks
-            self.hid = hid = _new_hook_id()
+            self.hid = hid = RemovableHandle.next_id  # _new_hook_id(), written out
+            RemovableHandle.next_id = hid + 1
             hooks[hid] = self._on_grad
             self.handle = None
         else:
             self.hooks = None
             self.handle = tensor.register_hook(self._on_grad)
+        session.points[id(tensor)] = self
+        session.installed.append(self)
 
     def _on_grad(self, grad):
         call = self.calls

@@ -15,8 +15,10 @@ hands the reply back to the hook. Two ways to switch, one protocol:
   threads are kept and reused: PyTorch sets up per-thread state the first time a thread runs a
   backward, which made a fresh thread per backward block cost ~8 ms here.
 
-Events returned to the driver by ``resume``: ``("point", key, value)``, ``("done", result)``,
-``("error", exc)`` or ``("aborted", None)``.
+Events returned to the driver by ``resume``: a pause is the pair ``(key, value)`` (a plain tuple:
+checking ``event.__class__ is tuple`` is the cheapest test on the hot path); the end is an
+``Outcome`` whose ``kind`` is ``"done"`` (``value``: the result), ``"error"`` (``value``: the
+exception) or ``"aborted"``.
 """
 from __future__ import annotations
 
@@ -30,15 +32,25 @@ class _Abort(BaseException):
     """Thrown into a run to unwind it after the body failed; never reaches the user."""
 
 
-def _outcome(fn):
+class Outcome:
+    """How a run ended: ``kind`` is "done", "error" or "aborted"; ``value`` the result or error."""
+
+    __slots__ = ("kind", "value")
+
+    def __init__(self, kind: str, value=None):
+        self.kind = kind
+        self.value = value
+
+
+def _outcome(fn) -> Outcome:
     try:
-        return ("done", fn())
+        return Outcome("done", fn())
     except (_Abort, greenlet.GreenletExit) as exc:
         if isinstance(exc, greenlet.GreenletExit):
             raise
-        return ("aborted", None)
+        return Outcome("aborted")
     except BaseException as exc:  # handed to the body, which re-raises it
-        return ("error", exc)
+        return Outcome("error", exc)
 
 
 # A new greenlet allocates a fresh interpreter data stack the first time it runs Python, which
@@ -70,6 +82,7 @@ class GreenletRun:
         self.fn = fn
         self.glet = None
         self.finished = False
+        self.thread = threading.current_thread()
 
     def resume(self, reply=None):
         # The run returns to whoever resumed it: the body, or the invoke scheduler.
@@ -81,8 +94,8 @@ class GreenletRun:
         else:
             glet.parent = _getcurrent()
             event = glet.switch(reply)
-        if event[0] != "point":
-            self._done()
+        if event.__class__ is not tuple:
+            self.done()
         return event
 
     def hand(self, key, value):
@@ -92,16 +105,27 @@ class GreenletRun:
                 "distgrad: a hook fired on a thread other than the one running the trace "
                 f"({threading.current_thread().name}). For a backward on an accelerator set "
                 "distgrad.config.backward_mode = 'thread'.")
-        return glet.parent.switch(("point", key, value))
+        return glet.parent.switch(key, value)  # the receiver gets the pair (key, value)
+
+    def hand_solo(self, key, value):
+        """``hand`` for a session with one body that drives the run: while a key is wanted that
+        body waits in ``resume``, so a hook that fires on this thread runs in the run's greenlet
+        and the check is needed only for other threads, where the switch itself refuses."""
+        try:
+            return self.glet.parent.switch(key, value)
+        except greenlet.error:
+            if threading.current_thread() is self.thread:
+                raise
+            self.hand(key, value)  # raises the message for a hook on another thread
 
     def abort(self):
         if self.glet is not None:
             self.glet.parent = greenlet.getcurrent()
             self.glet.throw(_Abort())
-            self._done()
+            self.done()
         self.finished = True
 
-    def _done(self):
+    def done(self):
         self.finished = True
         _give_back(self.glet)
         self.glet = None
@@ -132,6 +156,9 @@ _workers: list[_Worker] = []  # idle ones; a list's append and pop are atomic un
 
 
 class ThreadRun:
+    glet = None  # no greenlet: Session.request_solo takes resume()
+    hand_solo = property(lambda self: self.hand)
+
     def __init__(self, fn):
         self.fn = fn
         self.worker = None
@@ -166,15 +193,15 @@ class ThreadRun:
             self._to_run.release()
         self._to_body.acquire()
         event = self._box
-        if event[0] != "point":
-            self._done()
+        if event.__class__ is not tuple:
+            self.done()
         return event
 
     def hand(self, key, value):
         with self._one_hand:
             if self._aborting:
                 raise _Abort()
-            self._box = ("point", key, value)
+            self._box = (key, value)
             self._to_body.release()
             self._to_run.acquire()
             if self._aborting:
@@ -186,9 +213,9 @@ class ThreadRun:
             self._aborting = True
             self._to_run.release()
             self._to_body.acquire()
-            self._done()
+            self.done()
         self.finished = True
 
-    def _done(self):
+    def done(self):
         self.finished = True
         _workers.append(self.worker)

@@ -20,6 +20,7 @@ from .run import GreenletRun, ThreadRun
 
 BODIES: dict = {}
 _UNSET = object()
+_getcurrent = greenlet.getcurrent
 
 
 def current_body():
@@ -85,6 +86,17 @@ class Stop:
             self.version = value._version
         self.view = value
 
+    @classmethod
+    def blank(cls, kind: str) -> "Stop":
+        """A Stop for a solo session to refill at each pause (``Session.request_solo``)."""
+        stop = cls.__new__(cls)
+        stop.kind = kind
+        stop.rows = None
+        stop.key = stop.tensor = stop.view = stop.version = None
+        stop.replacement = _UNSET
+        stop.local = False
+        return stop
+
     def value(self):
         return self.view if self.replacement is _UNSET else self.replacement
 
@@ -97,8 +109,12 @@ class Stop:
     def reply(self):
         if self.replacement is not _UNSET:
             return self.replacement
+        return self.edited()
+
+    def edited(self):
+        """The body's copy of a gradient if the body edited it in place, else None."""
         if self.kind == "grad" and self.view._version != self.version:
-            return self.view  # edited in place
+            return self.view
         return None
 
 
@@ -114,7 +130,7 @@ class Session:
                  views=None):
         self.kind = kind            # "forward" or "backward"
         self.run = ThreadRun(fn) if threaded else GreenletRun(fn)
-        self.hand = self.run.hand   # what a hook calls to hand a wanted value to the bodies
+        self.resume = self.run.resume
         self.bodies = bodies
         self.size = size            # batch size, for splitting values between invokes
         self.wanted: dict = {}      # key -> number of bodies waiting for it
@@ -133,26 +149,26 @@ class Session:
         # or show, so requests take the short path (request_solo).
         self.solo = (len(bodies) == 1 and bodies[0].scheduler is None and bodies[0].rows is None
                      and views is None)
+        # A solo session pauses for one body at a time and the body is done with a Stop once it
+        # asks for the next value, so it refills one Stop instead of making one per pause.
+        self.spare = Stop.blank("grad" if kind == "backward" else "value") if self.solo else None
+        # what a hook calls to hand a wanted value to the bodies
+        self.hand = self.run.hand_solo if self.solo else self.run.hand
 
     # -- points ---------------------------------------------------------------------------
     def module_point(self, module, path: str, kind: str, new: bool = False) -> ModulePoint:
-        """``new``: the caller has just found none for this module and kind."""
+        """``new``: the caller has just found none for this module and kind. A new point enters
+        itself in ``points`` and ``installed`` (removed at close)."""
         point = None if new else self.points.get((id(module), kind))
         if point is None:
-            point = self.install((id(module), kind), ModulePoint(self, module, path, kind))
+            point = ModulePoint(self, module, path, kind)
         return point
 
     def grad_point(self, tensor, new: bool = False) -> GradPoint:
         """``new``: the caller has just found none for this tensor."""
         point = None if new else self.points.get(id(tensor))
         if point is None or point.tensor is not tensor:
-            point = self.install(id(tensor), GradPoint(self, tensor))
-        return point
-
-    def install(self, key, point):
-        """Make ``point`` (armed for this session) the one for ``key``; removed at close."""
-        self.points[key] = point
-        self.installed.append(point)
+            point = GradPoint(self, tensor)
         return point
 
     # -- the body side --------------------------------------------------------------------
@@ -188,29 +204,53 @@ class Session:
 
     def request_solo(self, body: Body, key, passed_message, tensor=None, local=False) -> Stop:
         """``request`` for a ``solo`` session, when the body is not already at ``key``."""
-        # request + advance + _reply for the common case, written out: this runs twice per
-        # read+edit, and each step of the general path is a few hundred nanoseconds here.
+        # request + advance + _reply + Stop() for the common case, written out: this runs twice
+        # per read+edit, and each call of the general path costs a few hundred nanoseconds here.
         if self.finished:
             raise _passed(passed_message)
+        stop = body.stop
+        reply = None
+        if stop is not None:
+            body.stop = None
+            reply = stop.replacement
+            if reply is _UNSET:
+                reply = stop.edited()
         wanted = self.wanted
         wanted[key] = 1
         try:
-            event = self.run.resume(self._reply())
+            glet = self.run.glet
+            if glet is not None:  # GreenletRun.resume, written out
+                glet.parent = _getcurrent()
+                event = glet.switch(reply)
+                if event.__class__ is not tuple:
+                    self.run.done()
+            else:
+                event = self.resume(reply)
         finally:
             del wanted[key]
-        if event[0] == "point":  # only this key is wanted, so the run paused at it
-            body.stop = stop = Stop(key, event[2], None, key[0].kind, 0, None, tensor, local)
+        if event.__class__ is tuple:  # only this key is wanted, so the run paused at it
+            stop = self.spare
+            stop.key = key
+            stop.tensor = tensor
+            stop.local = local
+            stop.replacement = _UNSET
+            value = event[1]
+            if tensor is not None:  # a gradient: the body's own copy (see Stop)
+                value = value.clone()
+                stop.version = value._version
+            stop.view = value
+            body.stop = stop
             return stop
         self.finished = True
-        if event[0] == "error":
-            raise event[1]
+        if event.kind == "error":
+            raise event.value
         raise _passed(passed_message)
 
     def advance(self) -> None:
         """Resume the run with the bodies' replies until it pauses at a wanted key or ends."""
-        event = self.run.resume(self._reply())
-        if event[0] == "point":
-            _, key, value = event
+        event = self.resume(self._reply())
+        if event.__class__ is tuple:
+            key, value = event
             self.paused_key = key
             if self.views is not None:
                 value, self.paused_token = self._show(key, value)
@@ -224,8 +264,8 @@ class Session:
             return
         self.finished = True
         self.paused_key = None
-        if event[0] == "error":
-            raise event[1]
+        if event.kind == "error":
+            raise event.value
 
     def finish(self) -> None:
         while not self.finished:

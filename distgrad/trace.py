@@ -218,7 +218,6 @@ class Trace:
         point = kept.get(kind) if kept is not None else None
         if point is not None and point.session is None:
             point.arm(session)
-            session.install((id(envoy._module), kind), point)
         elif envoy._call is None and not envoy._local:
             point = session.module_point(envoy._module, envoy._path, kind, new=True)
             if kept is None:

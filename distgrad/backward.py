@@ -222,10 +222,10 @@ def grad_stop(body: Body, tensor: torch.Tensor):
     if session.solo:  # one body, whole values: the rest of this function, short
         if not tensor.requires_grad:
             raise _no_grad_flows(body, tensor)
-        point = session.points.get(id(tensor))
-        if point is None or point.tensor is not tensor:
-            point = GradPoint(session, tensor)
-        return session.request_solo(body, (point, point.calls),
+        # No lookup of an earlier point for this tensor: its gradient arrives once per
+        # backward, so a second request of it is out of order with a new point as with the old.
+        point = GradPoint(session, tensor)
+        return session.request_solo(body, (point, 0),
                                     lambda: grad_passed(block.tensor, tensor, body), tensor)
     target, split = tensor, None
     if session.views is not None:  # a value shown whole: hook the shard that flows on

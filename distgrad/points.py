@@ -131,8 +131,7 @@ class GradPoint:
         else:
             self.hooks = None
             self.handle = tensor.register_hook(self._on_grad)
-        session.points[id(tensor)] = self
-        session.installed.append(self)
+        session.installed.append(self)  # Session.grad_point also enters it in session.points
 
     def _on_grad(self, grad):
         call = self.calls

@@ -168,7 +168,7 @@ class Session:
         """``new``: the caller has just found none for this tensor."""
         point = None if new else self.points.get(id(tensor))
         if point is None or point.tensor is not tensor:
-            point = GradPoint(self, tensor)
+            point = self.points[id(tensor)] = GradPoint(self, tensor)
         return point
 
     # -- the body side --------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 
 from . import batching, capture
 from .errors import OutOfOrderError, TraceStateError
+from .run import BodyRunners
 from .session import BODIES, Body, Session
 
 _BACKWARD = ("backward", "start")
@@ -57,18 +58,12 @@ def run_invokes(trace) -> None:
     trace.forward.slices = trace.slices = {}
     trace.backward = None
     namespace = {**frame.f_globals, **frame.f_locals}
-    glets = []
-    for inv, body in zip(invokes, bodies):
-        glet = greenlet.greenlet(lambda code=inv.code: exec(code, namespace))
-        BODIES[glet] = body
-        glets.append(glet)
+    runners = BodyRunners({body: (lambda code=inv.code: exec(code, namespace))
+                           for inv, body in zip(invokes, bodies)}, BODIES.__setitem__)
     try:
-        _schedule(trace, bodies, glets)
+        _schedule(trace, bodies, runners)
     finally:
-        for glet in glets:
-            BODIES.pop(glet, None)
-            if glet and not glet.dead:
-                glet.throw(greenlet.GreenletExit)
+        runners.close(lambda glet, body: BODIES.pop(glet, None))
         if trace.backward is not None:
             if not trace.backward.finished:
                 trace.backward.abort()
@@ -84,19 +79,12 @@ def run_invokes(trace) -> None:
     capture.write_back(frame, names)
 
 
-def _schedule(trace, bodies: list[Body], glets: list) -> None:
-    live = dict(zip(map(id, bodies), glets))
-
-    def wake(body):
-        glet = live[id(body)]
-        glet.switch()
-        if glet.dead:
-            live.pop(id(body))
-
+def _schedule(trace, bodies: list[Body], runners: BodyRunners) -> None:
+    wake = runners.wake
     for body in bodies:
         wake(body)
-    while live:
-        waiting = [b for b in bodies if id(b) in live]
+    while runners.todo:
+        waiting = [b for b in bodies if runners.live(b)]
         session = trace.backward if trace.forward.finished else trace.forward
         if session is not None and not session.finished and any(
                 b.pending in session.wanted for b in waiting):

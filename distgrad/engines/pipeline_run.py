@@ -12,6 +12,7 @@ import torch
 from .. import capture
 from ..backward import step_threaded
 from ..errors import OutOfOrderError, TraceStateError
+from ..run import BodyRunners
 from ..session import BODIES, Body, Session, Stop
 from .pipeline import LossPoint, PipelineEngine, joined, only_opens_block
 from .pipeline_messages import Messages
@@ -45,15 +46,12 @@ class PipelineRun:
                                          threaded=step_threaded())
         trace.pipeline = self
         spaces = [{**frame.f_globals, **frame.f_locals} for _ in bodies]
-        glets = []
-        for body, space in zip(bodies, spaces):
-            glet = greenlet.greenlet(lambda space=space: exec(code, space))
-            BODIES[glet] = body
-            glets.append(glet)
+        runners = BodyRunners({body: (lambda space=space: exec(code, space))
+                               for body, space in zip(bodies, spaces)}, BODIES.__setitem__)
         restore = self._instrument()
         engine.answering.append(self.messages)  # what it has sent, for a peer that asks
         try:
-            self._schedule(bodies, glets)
+            self._schedule(bodies, runners)
             # every request is made: the check of them travels while the step runs on
             self.messages.start_check()
             session.finish()  # the bodies are done; the step runs on with their last replies
@@ -61,10 +59,7 @@ class PipelineRun:
         finally:
             engine.answering.remove(self.messages)
             restore()
-            for glet in glets:
-                BODIES.pop(glet, None)
-                if glet and not glet.dead:
-                    glet.throw(greenlet.GreenletExit)
+            runners.close(lambda glet, body: BODIES.pop(glet, None))
             if not session.finished:
                 session.abort()
             session.close()
@@ -129,25 +124,18 @@ class PipelineRun:
             self.session.hand((_PHASES[key[0]], key[1]), None)
 
     # -- the scheduler ----------------------------------------------------------------------
-    def _schedule(self, bodies, glets) -> None:
-        live = dict(zip(map(id, bodies), glets))
+    def _schedule(self, bodies, runners: BodyRunners) -> None:
         session = self.session
-
-        def wake(body):
-            glet = live[id(body)]
-            glet.switch()
-            if glet.dead:
-                live.pop(id(body))
-
+        wake = runners.wake
         for body in bodies:
             wake(body)
-        while live:
+        while runners.todo:
             for key, waiters in list(self.waiting.items()):
                 if key in self.fired or (key == "end" and session.finished):
                     self._deliver(key, wake)
                     break
             else:
-                waiting = [b for b in bodies if id(b) in live]
+                waiting = [b for b in bodies if runners.live(b)]
                 if session.finished:
                     for body in waiting:
                         body.remote_value = None  # what it waits for never comes: it raises

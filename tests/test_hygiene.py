@@ -161,3 +161,46 @@ def test_grad_outside_bodies_is_plain_pytorch():
     assert x.grad is None
     with pytest.raises(RuntimeError):
         x.grad = torch.zeros(4)  # PyTorch's own check, unchanged
+
+
+def _greenlets() -> int:
+    import greenlet
+    gc.collect()
+    return sum(isinstance(o, greenlet.greenlet) for o in gc.get_objects())
+
+
+def test_invoke_bodies_reuse_runner_greenlets(mlp):
+    """Invoke bodies run on the thread's pooled runner greenlets: over many traces, and when one
+    invoke raises while another waits mid-body, none is leaked and the pool does not grow."""
+    import greenlet
+    from distgrad import run
+    model = distgrad.wrap(mlp)
+    x = torch.randn(2, 8)
+    seen = set()  # greenlets that ran a body (kept alive, so an id cannot be reused)
+
+    def step(fail: bool):
+        with model.trace() as tr:
+            with tr.invoke(x):
+                seen.add(greenlet.getcurrent())
+                a = model[2].output.save()
+            with tr.invoke(x):
+                model[0].output
+                if fail:
+                    raise KeyError("in the second invoke")
+                b = model[2].output.save()
+        return a, b
+
+    step(False)
+    pool, greenlets = len(run._idle.runners), _greenlets()
+    for i in range(200):
+        if i % 2:
+            with pytest.raises(KeyError, match="in the second invoke"):
+                step(True)
+        else:
+            a, b = step(False)
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    assert len(seen) <= 2  # a new greenlet per body would make 201
+    assert len(run._idle.runners) == pool
+    seen.clear()
+    assert _greenlets() == greenlets
+    _clean(mlp)

@@ -3,8 +3,9 @@ other ranks.
 
 Values travel in *batches*: every value an owner sends to one rank for one delivery moment of the
 receiver (``("F", m)``, ``("B", m)`` or ``"end"``, see ``pipeline.py``) goes together, sent
-when the owner's chunk that produced them ends (``"end"``: when its step ends). That moment
-causally precedes the receiver's event, so a receiver never waits for a sender that waits for it.
+when the owner's chunk that produced them ends (``"end"``: when its bodies are done, or its step
+ends if that comes first). That moment causally precedes the receiver's event, so a receiver
+never waits for a sender that waits for it.
 Between neighbouring stages a batch rides on the schedule's own message of that chunk (the
 activation forward, the input gradient backward; ``outgoing``, ``incoming``, ``arrived``). Every
 other batch is a message of its own on a gloo group of distgrad's, apart from the schedule's

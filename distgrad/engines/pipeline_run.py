@@ -52,7 +52,11 @@ class PipelineRun:
         engine.answering.append(self.messages)  # what it has sent, for a peer that asks
         try:
             self._schedule(bodies, runners)
-            # every request is made: the check of them travels while the step runs on
+            # Every request is made, so nothing more joins the "end" batches: they go now, not
+            # when the step ends, since a peer's bodies and its part of the check wait for them.
+            # Then the check of the requests, which travels while the step runs on.
+            if "end" not in self.messages.sent:
+                self.messages.flush("end")
             self.messages.start_check()
             session.finish()  # the bodies are done; the step runs on with their last replies
             self.messages.finish()

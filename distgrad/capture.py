@@ -23,7 +23,7 @@ class SkipBody(Exception):
 
 
 _trees: dict = {}
-_bodies: dict = {}  # (file, line of the with) -> (source, (code, names, first line))
+_bodies: dict = {}  # (file, line of the with) -> (lines, source, (code, names, first line))
 
 
 def capture(frame) -> tuple:
@@ -34,11 +34,16 @@ def capture(frame) -> tuple:
         raise RuntimeError(f"distgrad cannot read the source of {filename}, so a "
                            "`with tracer.invoke(...):` body there cannot be run later. Put "
                            "the code in a file or notebook cell, or trace without invokes.")
-    source = "".join(lines)
     line = frame.f_lineno
     known = _bodies.get((filename, line))
-    if known is not None and known[0] == source:
-        return known[1]  # a loop opens the same block every step: parse and compile once
+    if known is not None and known[0] is lines:
+        # a loop opens the same block every step: parse and compile once. linecache hands out
+        # the same list while the file is unchanged, so this skips joining the file per trace.
+        return known[2]
+    source = "".join(lines)
+    if known is not None and known[1] == source:
+        _bodies[(filename, line)] = (lines, source, known[2])
+        return known[2]
     tree = _trees.get(filename)
     if tree is None or tree[0] != source:
         tree = _trees[filename] = (source, ast.parse(source, filename))
@@ -50,7 +55,7 @@ def capture(frame) -> tuple:
                           "own lines; distgrad runs it later and cannot skip a one-line body.")
     code = compile(ast.Module(body=node.body, type_ignores=[]), filename, "exec")
     found = (code, _bound_names(node.body), _first_real_line(node.body))
-    _bodies[(filename, line)] = (source, found)
+    _bodies[(filename, line)] = (lines, source, found)
     return found
 
 

@@ -33,6 +33,18 @@ class RequestChecks:
     ``Messages`` keeps: ``promised``, ``wanted``, ``got``, ``sent_to``, ``gone``, ``told``,
     ``check``, and its ``engine``, ``channel``, ``rank`` and ``world``."""
 
+    def post_check_receives(self) -> None:
+        """Post the receives of the peers' numbers for the end-of-step check. ``start_check``
+        does it if nobody did before; a stage that idles until the first activation comes does
+        it then, so that the end of its step only sends (its bodies end last, with the peers
+        waiting for its numbers)."""
+        self.check_recvs = recvs = {}
+        for peer in range(self.world):
+            if peer != self.rank:
+                theirs = torch.full((2 * self.world + 1,), -1, dtype=torch.int64)
+                # stays -1 until their numbers land (a digest is never negative)
+                recvs[peer] = (theirs, self.channel.recv([theirs], peer, _CHECK))
+
     def start_check(self) -> None:
         """Once this rank's bodies are done (they have made every request they will make): send
         every peer this rank's numbers - for each rank, the count and checksum of the value tags
@@ -44,14 +56,10 @@ class RequestChecks:
         mine = torch.tensor([_digest(self.promised.get(p, ())) for p in peers] +
                             [_digest(self.wanted.get(p, ())) for p in peers] + [len(self.got)],
                             dtype=torch.int64)
-        sends, recvs = [], {}
-        for peer in range(self.world):
-            if peer != self.rank:
-                theirs = torch.empty_like(mine)
-                theirs[0] = -1  # stays so until their numbers land (a digest is never negative)
-                recvs[peer] = (theirs, self.channel.recv([theirs], peer, _CHECK))
-                sends.append(self.channel.send([mine], peer, _CHECK))
-        self.check = (mine, sends, recvs)
+        if self.check_recvs is None:
+            self.post_check_receives()
+        sends = [self.channel.send([mine], peer, _CHECK) for peer in peers if peer != self.rank]
+        self.check = (mine, sends, self.check_recvs)
 
     def _agree(self) -> None:
         mine, sends, recvs = self.check

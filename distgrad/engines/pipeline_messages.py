@@ -71,6 +71,7 @@ class Messages(RequestChecks):
         self.promised: dict = {}  # dst -> [tags of values this rank sends it]
         self.wanted: dict = {}    # src -> [tags of values this rank's bodies asked it for]
         self.check = None         # (this rank's numbers, sends, {peer: (buffer, receive)})
+        self.check_recvs = None   # {peer: (buffer, receive)} of the check, once posted
 
     # -- the owner ---------------------------------------------------------------------------
     def send(self, value, tag: int, keys: dict) -> None:

@@ -51,6 +51,8 @@ class PipelineRun:
         restore = self._instrument()
         engine.answering.append(self.messages)  # what it has sent, for a peer that asks
         try:
+            if engine.my_stage != 0:  # it idles until the first activation comes anyway
+                self.messages.post_check_receives()
             self._schedule(bodies, runners)
             # Every request is made, so nothing more joins the "end" batches: they go now, not
             # when the step ends, since a peer's bodies and its part of the check wait for them.

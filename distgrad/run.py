@@ -55,7 +55,8 @@ def _outcome(fn) -> Outcome:
 
 # A new greenlet allocates a fresh interpreter data stack the first time it runs Python, which
 # made a tiny forward 40 us slower than the same forward run directly. So each thread keeps
-# idle runner greenlets and reuses them: one is created per thread, more only for nested runs.
+# idle runner greenlets and reuses them: one is created per thread, more for nested runs and for
+# bodies run in turns (BodyRunners).
 _idle = threading.local()
 _getcurrent = greenlet.getcurrent
 
@@ -72,9 +73,13 @@ def _take_runner() -> greenlet.greenlet:
     return pool.pop() if pool else greenlet.greenlet(_runner)
 
 
+_MOST_IDLE = 64  # idle runners a thread keeps (a trace with more invokes makes the rest anew)
+
+
 def _give_back(glet) -> None:
-    if not glet.dead:
-        _idle.runners.append(glet)
+    pool = _idle.runners
+    if not glet.dead and len(pool) < _MOST_IDLE:
+        pool.append(glet)
 
 
 class BodyRunners:

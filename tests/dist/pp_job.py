@@ -230,21 +230,38 @@ def slow_last_backward(net, ctx, seconds: float):
     return net.layers[0][0].weight.register_hook(slow).remove
 
 
+def slow_last_body(ctx, seconds: float):
+    """A function for the body to call once per microbatch: on rank 0 the last microbatch's call
+    sleeps ``seconds``. Called after the body's last request, it holds back the values stage 0
+    sends the other ranks when its bodies are done (the "end" batches)."""
+    import time
+    calls = []
+
+    def pause():
+        if ctx["rank"] == 0:
+            calls.append(True)
+            if len(calls) == ctx["m"]:
+                time.sleep(seconds)
+    return pause
+
+
 def case_slow_owner(model, net, ctx):
-    """The last stage waits for stage 0's gradient (sent when stage 0's step ends) for longer
-    than the failure timeout, because stage 0 is slow: the wait goes on and the values are
-    right (a timed receive would have closed the group's connections: gloo does so when one
-    expires)."""
+    """The last stage waits for stage 0's gradient (sent when stage 0's bodies are done) for
+    longer than the failure timeout, because stage 0's last body is slow: the wait goes on and
+    the values are right (a timed receive would have closed the group's connections: gloo does
+    so when one expires)."""
     x, y = batch()
     m = ctx["m"]
-    undo = slow_last_backward(net, ctx, 1.5 * distgrad.config.failure_timeout)
-    try:
-        with model.trace(x, target=y) as tr:
-            h = model.layers[1].output
-            with tr.loss.backward():
-                g = h.grad.save()
-    finally:
-        undo()
+    import time
+    pause = slow_last_body(ctx, 1.5 * distgrad.config.failure_timeout)
+    start = time.monotonic()
+    with model.trace(x, target=y) as tr:
+        h = model.layers[1].output
+        with tr.loss.backward():
+            g = h.grad.save()
+            pause()
+    if time.monotonic() - start < distgrad.config.failure_timeout:  # what this case is about
+        raise AssertionError("the trace did not wait for the slow stage 0")
     ref = build(WIDTH)  # the same weights, unsplit, with plain autograd
     h1 = ref.layers[1](ref.layers[0](x))
     h1.retain_grad()
@@ -253,15 +270,16 @@ def case_slow_owner(model, net, ctx):
     net.zero_grad(set_to_none=True)
     # the thread that waited is kept for the next long wait, not started again each step
     import threading
-    threads = threading.active_count()
+    threads = [t.name for t in threading.enumerate()]
     for _ in range(3):
         with model.trace(x, target=y) as tr:
             h = model.layers[1].output
             with tr.loss.backward():
                 g = h.grad.save()
         net.zero_grad(set_to_none=True)
-    if threading.active_count() != threads:
-        raise AssertionError(f"{threading.active_count() - threads} more threads after 3 traces")
+    now = [t.name for t in threading.enumerate()]
+    if len(now) != len(threads):
+        raise AssertionError(f"threads before 3 traces: {sorted(threads)}; after: {sorted(now)}")
 
 
 def case_rank_dependent_grad(model, net, ctx):

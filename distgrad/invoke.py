@@ -59,11 +59,11 @@ def run_invokes(trace) -> None:
     trace.backward = None
     namespace = {**frame.f_globals, **frame.f_locals}
     runners = BodyRunners({body: (lambda code=inv.code: exec(code, namespace))
-                           for inv, body in zip(invokes, bodies)}, BODIES.__setitem__)
+                           for inv, body in zip(invokes, bodies)}, BODIES)
     try:
         _schedule(trace, bodies, runners)
     finally:
-        runners.close(lambda glet, body: BODIES.pop(glet, None))
+        runners.close()
         if trace.backward is not None:
             if not trace.backward.finished:
                 trace.backward.abort()

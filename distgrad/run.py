@@ -86,17 +86,19 @@ class BodyRunners:
     """Greenlets for bodies that a scheduler runs in turns (invokes, a pipeline's microbatches),
     taken from the same per-thread pool as the runs: a new greenlet cost about 10 us the first
     time it ran Python, four times per pipeline step. ``bodies`` maps each Body to the function
-    that runs it; ``register`` is called with (greenlet, body) so the body can be found."""
+    that runs it; each greenlet is entered in ``registry`` (``session.BODIES``) while it runs
+    its body, so that the body can be found."""
 
-    def __init__(self, bodies: dict, register):
+    def __init__(self, bodies: dict, registry: dict):
         self.todo = {}  # id(body) -> [greenlet, function to start it with, or None once started]
         self.taken = []
+        self.registry = registry
         scheduler = _getcurrent()
         for body, fn in bodies.items():
             glet = _take_runner()
             glet.parent = scheduler
-            self.taken.append((glet, body))
-            register(glet, body)
+            self.taken.append(glet)
+            registry[glet] = body
             self.todo[id(body)] = [glet, fn]
 
     def live(self, body) -> bool:
@@ -116,17 +118,18 @@ class BodyRunners:
             if got.kind == "error":
                 raise got.value
 
-    def close(self, unregister) -> None:
+    def close(self) -> None:
         """Unwind the bodies still waiting and give every greenlet back to the pool."""
         scheduler = _getcurrent()
-        for glet, body in self.taken:
-            unregister(glet, body)
-            entry = self.todo.pop(id(body), None)
-            if entry is not None and entry[1] is None:  # started and not ended
+        started = {id(entry[0]) for entry in self.todo.values() if entry[1] is None}
+        for glet in self.taken:
+            self.registry.pop(glet, None)
+            if id(glet) in started:  # started and not ended
                 glet.parent = scheduler
-                glet.throw(_Abort())
+                if glet.throw(_Abort()).__class__ is not Outcome:
+                    continue  # the body caught the abort and waits again: never reuse it
             _give_back(glet)
-        self.taken = []
+        self.taken, self.todo = [], {}
 
 
 class GreenletRun:

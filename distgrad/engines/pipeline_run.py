@@ -47,7 +47,7 @@ class PipelineRun:
         trace.pipeline = self
         spaces = [{**frame.f_globals, **frame.f_locals} for _ in bodies]
         runners = BodyRunners({body: (lambda space=space: exec(code, space))
-                               for body, space in zip(bodies, spaces)}, BODIES.__setitem__)
+                               for body, space in zip(bodies, spaces)}, BODIES)
         restore = self._instrument()
         engine.answering.append(self.messages)  # what it has sent, for a peer that asks
         try:
@@ -65,7 +65,7 @@ class PipelineRun:
         finally:
             engine.answering.remove(self.messages)
             restore()
-            runners.close(lambda glet, body: BODIES.pop(glet, None))
+            runners.close()
             if not session.finished:
                 session.abort()
             session.close()

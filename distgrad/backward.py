@@ -20,8 +20,6 @@ from .errors import TraceStateError
 from .points import GradPoint
 from .session import _UNSET, BODIES, Body, Session, current_body
 
-PLAIN = object()  # read_grad's answer when the read is PyTorch's own
-
 config = types.SimpleNamespace(backward_mode="auto", failure_timeout=10.0)
 """``backward_mode``: ``"auto"`` (greenlet for a CPU backward, a worker thread when CUDA is in use),
 ``"greenlet"`` or ``"thread"``. ``failure_timeout``: seconds a rank whose collective broke waits
@@ -193,17 +191,13 @@ def _next_op(code, offset: int) -> str | None:
 
 
 # -- .grad in a body -----------------------------------------------------------------------
-def read_grad(body: Body, tensor: torch.Tensor):
-    block = body.block
-    if block is None:
-        if tensor.grad_fn is not None:
-            raise TraceStateError(
-                f"{body.label_of(tensor)}.grad was read outside a backward block. Gradients "
-                f"exist only while the backward runs: read it inside `with loss.backward():`.")
-        return PLAIN
-    stop = grad_stop(body, tensor)
-    value = stop.replacement
-    return stop.view if value is _UNSET else value
+def refuse_outside_block(body: Body, tensor: torch.Tensor) -> None:
+    """``tensor.grad`` read in a body with no backward block open: an error for a tensor of the
+    graph (its gradient exists only while the backward runs); PyTorch's own value otherwise."""
+    if tensor.grad_fn is not None:
+        raise TraceStateError(
+            f"{body.label_of(tensor)}.grad was read outside a backward block. Gradients "
+            f"exist only while the backward runs: read it inside `with loss.backward():`.")
 
 
 def write_grad(body: Body, tensor: torch.Tensor, value) -> None:
@@ -211,10 +205,8 @@ def write_grad(body: Body, tensor: torch.Tensor, value) -> None:
 
 
 def grad_stop(body: Body, tensor: torch.Tensor):
-    """Where the body reads or writes ``tensor.grad``: stop the backward there."""
-    stop = body.stop
-    if stop is not None and stop.tensor is tensor:
-        return stop  # already there (the common ``t.grad = t.grad * 2``)
+    """Where the body reads or writes ``tensor.grad``: stop the backward there. The callers
+    (the ``.grad`` property) have found that the body is not already at that gradient."""
     block = body.block
     session = block.session
     if session is None:

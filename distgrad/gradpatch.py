@@ -18,7 +18,7 @@ from __future__ import annotations
 import greenlet
 import torch
 
-from .backward import PLAIN, grad_stop, read_grad, write_grad
+from .backward import grad_stop, refuse_outside_block, write_grad
 from .errors import check_replacement_grad
 from .session import _UNSET, BODIES
 
@@ -48,13 +48,11 @@ def _get(tensor):
                 return stop.view if value is _UNSET else value
             if ((tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter))
                     and not tensor.retains_grad):
-                if body.block is not None:  # read_grad(), written out
+                if body.block is not None:
                     stop = grad_stop(body, tensor)
                     value = stop.replacement
                     return stop.view if value is _UNSET else value
-                value = read_grad(body, tensor)
-                if value is not PLAIN:
-                    return value
+                refuse_outside_block(body, tensor)
     return _PLAIN.__get__(tensor, tensor.__class__)
 
 

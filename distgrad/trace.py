@@ -14,7 +14,7 @@ import torch
 from . import batching, capture, engines
 from .envoy import Envoy
 from .errors import OutOfOrderError, TraceStateError
-from .session import _UNSET, BODIES, Body, Session
+from .session import _UNSET, BODIES, Body, Session, current_body
 
 
 class Model(Envoy):
@@ -142,7 +142,6 @@ class Trace:
     def loss(self):
         """Under a pipeline schedule: this microbatch's loss, as the schedule's ``loss_fn``
         computed it on the last stage; open the backward block on it."""
-        from .session import current_body
         if self.pipeline is None:
             raise TraceStateError("tracer.loss exists only in a pipeline trace; elsewhere compute "
                                   "the loss in the body (loss = model.output.logits.sum()).")

@@ -39,6 +39,7 @@ from .pipeline_checks import RequestChecks
 _CAP = 1 << 16    # bytes of a batch in its first message
 _META = 14        # int64s per value: tag, dtype code, requires_grad, ndim, shape (9), nbytes
 _ALIGN = 16       # payloads start at multiples of this, so that they view as any dtype
+_ZEROS = [(0,) * (_META - 5 - n) for n in range(_META - 4)]  # shape padding by ndim
 _SPARE: list = []  # receive buffers whose batches are unpacked, for the next receives
 
 
@@ -79,16 +80,25 @@ class Messages(RequestChecks):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"distgrad sends only tensors between pipeline stages; this value is "
                             f"a {type(value).__name__}. Read a tensor inside it on its stage.")
-        if value.dim() > _META - 5:
+        shape = value.shape
+        ndim = len(shape)
+        if ndim > _META - 5:
             raise ValueError(f"distgrad sends tensors of at most {_META - 5} dimensions between "
-                             f"pipeline stages, not {value.dim()}.")
-        # its bytes now: the body may edit the value in place before the batch goes (gloo and
-        # the packing work on host memory: a GPU value is copied to the host here)
-        data = value.detach().cpu().contiguous()
-        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
-        raw += bytes(_round(len(raw)) - len(raw))
-        entry = ([tag, _CODE[data.dtype], int(value.requires_grad), data.dim(), *data.shape,
-                  *[0] * (_META - 5 - data.dim()), data.numel() * data.element_size()], raw)
+                             f"pipeline stages, not {ndim}.")
+        # Its bytes now: the body may edit the value in place before the batch goes (gloo and
+        # the packing work on host memory: a GPU value is copied to the host here). A host
+        # tensor numpy can read gives its bytes in C order in three calls; each torch call
+        # costs several microseconds in the middle of a step (a forward has just evicted the
+        # caches), so this is a third of the time of the general path below.
+        try:
+            raw = value.detach().numpy().tobytes()
+        except (TypeError, RuntimeError):  # on an accelerator; bfloat16; a conjugate view
+            raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        nbytes = len(raw)
+        if nbytes % _ALIGN:
+            raw += bytes(_ALIGN - nbytes % _ALIGN)
+        entry = ([tag, _CODE[value.dtype], int(value.requires_grad), ndim, *shape,
+                  *_ZEROS[ndim], nbytes], raw)
         for dst, key in keys.items():
             if key in self.sent:
                 raise RuntimeError(f"distgrad: a value for batch {key} came after it was sent.")
@@ -264,15 +274,22 @@ class Messages(RequestChecks):
             view = memoryview(torch.cat([buf[:_CAP], rest]).numpy())
         meta = struct.unpack_from(f"<{_META * count}q", view, 16)
         at = 16 + 8 * _META * count
+        device = self.engine.device
+        on_host = device.type == "cpu"
         for i in range(count):
             tag, code, grad, ndim, *rest = meta[_META * i: _META * (i + 1)]
             shape, nbytes = rest[:ndim], rest[-1]
             dtype = _DTYPES[code]
             data = torch.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize,
-                                    offset=at).view(shape).clone() if nbytes else \
+                                    offset=at).view(shape) if nbytes else \
                 torch.empty(shape, dtype=dtype)
-            # a graph of its own: editable in place, and `with x.backward():` accepts it
-            data = data.to(self.engine.device)  # where this rank's stage computes
+            if on_host:  # (the buffer is reused: a value needs its own copy)
+                if not grad:
+                    data = data.clone()
+            else:
+                data = data.to(device)  # where this rank's stage computes: a copy
+            # A graph of its own: a non-leaf copy, editable in place, that `with x.backward():`
+            # accepts. Its leaf may view the receive buffer: no backward reads a leaf's data.
             self.got[(src, tag)] = data.requires_grad_(True).clone() if grad else data
             at += _round(nbytes)
 

@@ -131,42 +131,53 @@ class PipelineRun:
 
     # -- the scheduler ----------------------------------------------------------------------
     def _schedule(self, bodies, runners: BodyRunners) -> None:
-        session = self.session
-        wake = runners.wake
+        # This loop runs twice per pause of the step, so it keeps to what changed: the bodies
+        # the last pause served, and the marks only bodies waiting for local values need.
+        session, waiting_for, fired = self.session, self.waiting, self.fired
+        wanted, todo, wake = session.wanted, runners.todo, runners.wake
         for body in bodies:
             wake(body)
-        while runners.todo:
-            for key, waiters in list(self.waiting.items()):
-                if key in self.fired or (key == "end" and session.finished):
-                    self._deliver(key, wake)
-                    break
-            else:
-                waiting = [b for b in bodies if runners.live(b)]
-                if session.finished:
-                    for body in waiting:
-                        body.remote_value = None  # what it waits for never comes: it raises
-                        wake(body)
-                    continue
-                for key in self.waiting:
-                    session.wanted[key] = 1
-                # a local value may already have passed: notice when, for this advance only
-                marks = {_passed_at(body.pending) for body in waiting} - {None}
-                marks -= session.wanted.keys()
-                for key in marks:
-                    session.wanted[key] = 1
-                session.advance()
-                for key in marks:
-                    session.wanted.pop(key, None)
-                if session.finished:  # before any body waits for "end": no cycle between ranks
-                    self.messages.flush("end")
-                key = session.paused_key
-                if key is not None and key in self.waiting:
-                    continue  # delivered at the top of the loop
+        while todo:
+            found = None
+            if waiting_for:
+                finished = session.finished
+                for key in waiting_for:
+                    if key in fired or (finished and key == "end"):
+                        found = key
+                        break
+            if found is not None:
+                self._deliver(found, wake)
+                continue
+            waiting = [b for b in bodies if id(b) in todo]
+            if session.finished:
                 for body in waiting:
-                    if _remote(body.pending):
-                        continue  # woken only when its value is delivered
-                    if body.stop is not None and body.pending is not None or \
-                            _passed_at(body.pending) == key:  # (it raises OutOfOrderError)
+                    body.remote_value = None  # what it waits for never comes: it raises
+                    wake(body)
+                continue
+            for key in waiting_for:
+                wanted[key] = 1
+            # a local value may already have passed: notice when, for this advance only
+            marks = []
+            for body in waiting:
+                mark = _passed_at(body.pending)
+                if mark is not None and mark not in wanted:
+                    wanted[mark] = 1
+                    marks.append(mark)
+            session.advance()
+            for key in marks:
+                wanted.pop(key, None)
+            if session.finished:  # before any body waits for "end": no cycle between ranks
+                self.messages.flush("end")
+            key = session.paused_key
+            if key is None or key in waiting_for:
+                continue  # the end, or a delivery at the top of the loop
+            if session.served:  # the bodies whose value this is
+                for body in list(session.served):
+                    if body.stop is not None and body.pending is not None:
+                        wake(body)
+            elif key[0].__class__ is _Phase:  # a mark: bodies whose value has passed raise
+                for body in waiting:
+                    if _passed_at(body.pending) == key:
                         wake(body)
 
     def _deliver(self, key, wake) -> None:
@@ -220,7 +231,7 @@ class PipelineRun:
         # read as `with tr.loss.backward():` (frame 2: the body) the value reaches nothing the
         # body can see: the block opens on a stand-in (the schedule runs the real backward)
         if only_opens_block(sys._getframe(2)):  # every rank: none waits, none sends
-            value = torch.zeros((), requires_grad=True)
+            value = _STAND_IN
         elif engine.my_stage != engine.last_stage:
             src = engine.rank_of_stage[engine.last_stage]
             value = self._wait_remote(body, ("B", body.index), src, tag)
@@ -312,6 +323,9 @@ class _Phase(str):
 
 
 _PHASES = {p: _Phase(p) for p in ("F", "B", "F-end")}
+# What `with tr.loss.backward():` opens its block on when the body cannot see the loss: one
+# tensor for every body (nothing reads, edits or backpropagates it).
+_STAND_IN = torch.zeros((), requires_grad=True)
 _LATE_LOSS = ("tr.loss was requested after the last stage had started the microbatch's backward; "
               "read tr.loss once, after the forward values and before the backward block.")
 
@@ -326,10 +340,6 @@ def _passed_at(pending):
         if getattr(point, "kind", None) in ("output", "input"):
             return ("F-end", pending[1])
     return None
-
-
-def _remote(pending) -> bool:
-    return isinstance(pending, tuple) and len(pending) == 2 and pending[0] == "remote"
 
 
 def _passed(path, kind):

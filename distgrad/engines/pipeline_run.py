@@ -29,6 +29,7 @@ class PipelineRun:
         self.remote: dict = {}    # id(tensor) -> (tensor, stage) for values sent by another rank
         self.earlier: dict = {}   # microbatch -> [(label, reached)]: received earlier-stage values
         self.others = [(r, s) for s, r in engine.rank_of_stage.items() if s != engine.my_stage]
+        self.batch_keys: dict = {}  # (microbatch, forward) -> {rank: batch key}, see _send
         self.session = None
 
     # -- the trace --------------------------------------------------------------------------
@@ -197,7 +198,7 @@ class PipelineRun:
         if body.block is not None or body.loss is not None:
             raise OutOfOrderError(f"{path}.{kind} was requested after tr.loss; read forward "
                                   f"values before tr.loss and `with tr.loss.backward():`.")
-        self._in_order(body, stage, forward=True, what=f"{path}.{kind}")
+        self._in_order(body, stage, True, path, "." + kind)
         body.seq += 1
         tag = body.index * 100_000 + body.seq
         if stage != engine.my_stage:
@@ -252,10 +253,9 @@ class PipelineRun:
 
     def grad(self, body, tensor):
         engine, session = self.engine, self.session
-        label = body.label_of(tensor)
         entry = self.remote.get(id(tensor))
         stage = entry[1] if entry is not None and entry[0] is tensor else engine.my_stage
-        self._in_order(body, stage, forward=False, what=f"{label}.grad")
+        self._in_order(body, stage, False, tensor, ".grad")
         body.seq += 1
         tag = body.index * 100_000 + body.seq
         if stage != engine.my_stage:
@@ -266,27 +266,32 @@ class PipelineRun:
             body.stop = Stop(("remote", tag), value, None, "grad", 0, None, tensor)
             return body.stop
         if not tensor.requires_grad:
-            raise ValueError(f"{label}.grad: no gradient flows into it, because it does not "
-                             f"require grad.")
+            raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
+                             f"it does not require grad.")
         point = session.grad_point(tensor)
         stop = session.request(body, (point, point.calls), lambda: (
-            f"{label}.grad was requested after this stage's backward had passed it; request "
-            f"gradients in reverse-forward order."), tensor=tensor)
+            f"{body.label_of(tensor)}.grad was requested after this stage's backward had passed "
+            f"it; request gradients in reverse-forward order."), tensor=tensor)
         self._send(stop.view, tag, body.index, forward=False)
         return stop
 
     def _send(self, value, tag: int, microbatch: int, forward: bool) -> None:
         """Queue a value this stage owns for every other rank, in the batch of the moment that
         rank takes it (the module text of ``pipeline.py``)."""
-        mine, m = self.engine.my_stage, microbatch
-        keys = {dst: (("F", m) if stage > mine else ("B", m)) if forward else
+        keys = self.batch_keys.get((microbatch, forward))
+        if keys is None:  # the same for every value of this microbatch and direction
+            mine, m = self.engine.my_stage, microbatch
+            keys = self.batch_keys[(microbatch, forward)] = {
+                dst: (("F", m) if stage > mine else ("B", m)) if forward else
                 (("B", m) if stage < mine else "end") for dst, stage in self.others}
         self.messages.send(value, tag, keys)
 
-    def _in_order(self, body, stage: int, forward: bool, what: str) -> None:
+    def _in_order(self, body, stage: int, forward: bool, named, kind: str) -> None:
+        """``named``: the module path, or the tensor whose label words the error."""
         last = body.last_stage
         if forward and stage < last or not forward and body.block is not None and \
                 getattr(body, "grad_stage", None) is not None and stage > body.grad_stage:
+            what = (named if isinstance(named, str) else body.label_of(named)) + kind
             raise OutOfOrderError(
                 f"{what} was requested after a value of stage {last if forward else body.grad_stage}; "
                 f"in a pipeline, forward values come stage by stage (0 first) and gradients in "

@@ -140,3 +140,32 @@ def test_deepspeed_pipeline_rank_dependent_request_raises(tmp_path):
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result.get("case_rank_dependent") == "ok", f"rank {rank}:\n{result}"
+
+
+def test_values_keep_dtype_shape_and_bytes_between_stages():
+    """The byte format values cross stages in (engines/pipeline_messages.py), one process: each
+    value comes back with its dtype, shape, bytes and requires_grad, whether it took numpy's
+    path (host tensors, strided ones included) or the general one (bfloat16, a conjugate
+    view), and as a tensor of its own, not a view of the batch's reused buffer."""
+    import torch
+    from distgrad.engines.pipeline_messages import _entry, _pack, _values
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 5, generator=g)
+    sent = [base, base.t(), base[:, ::2], torch.tensor(2.5), torch.zeros(0, 4),
+            base.to(torch.bfloat16), base.to(torch.float16), base > 0,
+            torch.arange(7), torch.randn(2, 3, dtype=torch.complex64, generator=g).conj(),
+            (base * 1).requires_grad_(True)]
+    batch = _pack([_entry(t, tag) for tag, t in enumerate(sent)])
+    view = memoryview(batch.numpy())
+    got = _values(view, len(sent), torch.device("cpu"))
+    assert [tag for tag, _ in got] == list(range(len(sent)))
+    for (_, value), original in zip(got, sent):
+        assert value.dtype == original.dtype and value.shape == original.shape
+        assert torch.equal(value.detach(), original.detach().resolve_conj())
+        assert value.requires_grad == original.requires_grad
+        if value.requires_grad:
+            assert value.grad_fn is not None  # a non-leaf: the body may edit it in place
+    batch.zero_()  # the receive buffer is reused for the next batch
+    for (_, value), original in zip(got, sent):
+        assert torch.equal(value.detach(), original.detach().resolve_conj())

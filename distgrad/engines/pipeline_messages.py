@@ -80,25 +80,7 @@ class Messages(RequestChecks):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"distgrad sends only tensors between pipeline stages; this value is "
                             f"a {type(value).__name__}. Read a tensor inside it on its stage.")
-        shape = value.shape
-        ndim = len(shape)
-        if ndim > _META - 5:
-            raise ValueError(f"distgrad sends tensors of at most {_META - 5} dimensions between "
-                             f"pipeline stages, not {ndim}.")
-        # Its bytes now: the body may edit the value in place before the batch goes (gloo and
-        # the packing work on host memory: a GPU value is copied to the host here). A host
-        # tensor numpy can read gives its bytes in C order in three calls; each torch call
-        # costs several microseconds in the middle of a step (a forward has just evicted the
-        # caches), so this is a third of the time of the general path below.
-        try:
-            raw = value.detach().numpy().tobytes()
-        except (TypeError, RuntimeError):  # on an accelerator; bfloat16; a conjugate view
-            raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        nbytes = len(raw)
-        if nbytes % _ALIGN:
-            raw += bytes(_ALIGN - nbytes % _ALIGN)
-        entry = ([tag, _CODE[value.dtype], int(value.requires_grad), ndim, *shape,
-                  *_ZEROS[ndim], nbytes], raw)
+        entry = _entry(value, tag)
         for dst, key in keys.items():
             if key in self.sent:
                 raise RuntimeError(f"distgrad: a value for batch {key} came after it was sent.")
@@ -272,26 +254,58 @@ class Messages(RequestChecks):
             rest = torch.empty(total - _CAP, dtype=torch.uint8)
             self.channel.recv([rest], src, _tag(key, 1)).wait()  # sent with the first part
             view = memoryview(torch.cat([buf[:_CAP], rest]).numpy())
-        meta = struct.unpack_from(f"<{_META * count}q", view, 16)
-        at = 16 + 8 * _META * count
-        device = self.engine.device
-        on_host = device.type == "cpu"
-        for i in range(count):
-            tag, code, grad, ndim, *rest = meta[_META * i: _META * (i + 1)]
-            shape, nbytes = rest[:ndim], rest[-1]
-            dtype = _DTYPES[code]
-            data = torch.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize,
-                                    offset=at).view(shape) if nbytes else \
-                torch.empty(shape, dtype=dtype)
-            if on_host:  # (the buffer is reused: a value needs its own copy)
-                if not grad:
-                    data = data.clone()
-            else:
-                data = data.to(device)  # where this rank's stage computes: a copy
-            # A graph of its own: a non-leaf copy, editable in place, that `with x.backward():`
-            # accepts. Its leaf may view the receive buffer: no backward reads a leaf's data.
-            self.got[(src, tag)] = data.requires_grad_(True).clone() if grad else data
-            at += _round(nbytes)
+        for tag, value in _values(view, count, self.engine.device):
+            self.got[(src, tag)] = value
+
+
+def _entry(value: torch.Tensor, tag: int) -> tuple:
+    """``value`` as it is now, for a batch: its metadata (``_META`` int64s) and its bytes,
+    padded to ``_ALIGN``. The bytes are taken now because the body may edit the value in place
+    before the batch goes (gloo and the packing work on host memory: a GPU value is copied to
+    the host here)."""
+    shape = value.shape
+    ndim = len(shape)
+    if ndim > _META - 5:
+        raise ValueError(f"distgrad sends tensors of at most {_META - 5} dimensions between "
+                         f"pipeline stages, not {ndim}.")
+    # A host tensor numpy can read gives its bytes in C order (strided or not) in three calls;
+    # each torch call costs several microseconds in the middle of a step (the forward has just
+    # evicted the caches), so this is a third of the time of the general path below.
+    try:
+        raw = value.detach().numpy().tobytes()
+    except (TypeError, RuntimeError):  # on an accelerator; bfloat16; a conjugate view
+        data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
+    nbytes = len(raw)
+    if nbytes % _ALIGN:
+        raw += bytes(_ALIGN - nbytes % _ALIGN)
+    return ([tag, _CODE[value.dtype], int(value.requires_grad), ndim, *shape, *_ZEROS[ndim],
+             nbytes], raw)
+
+
+def _values(view: memoryview, count: int, device: torch.device) -> list:
+    """``[(tag, value)]`` of a packed batch (``_pack``) whose ``count`` values ``view``
+    holds, each a tensor of its own on ``device`` (the batch's buffer is reused)."""
+    meta = struct.unpack_from(f"<{_META * count}q", view, 16)
+    at = 16 + 8 * _META * count
+    on_host = device.type == "cpu"
+    out = []
+    for i in range(count):
+        tag, code, grad, ndim, *rest = meta[_META * i: _META * (i + 1)]
+        shape, nbytes = rest[:ndim], rest[-1]
+        dtype = _DTYPES[code]
+        data = torch.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize,
+                                offset=at).view(shape) if nbytes else \
+            torch.empty(shape, dtype=dtype)
+        if not on_host:
+            data = data.to(device)  # where this rank's stage computes: a copy
+        elif not grad:
+            data = data.clone()
+        # A graph of its own: a non-leaf copy, editable in place, that `with x.backward():`
+        # accepts. Its leaf may view the receive buffer: no backward reads a leaf's data.
+        out.append((tag, data.requires_grad_(True).clone() if grad else data))
+        at += _round(nbytes)
+    return out
 
 
 def _last_with(ops: list, peer: int):

@@ -68,11 +68,11 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", default="local",
                         help="local (one process); under a launcher: ddp, fsdp1, fsdp2, "
                              "accelerate, zero1, zero2, zero3, tp, pp-gpipe, pp-1f1b, "
-                             "deepspeed-pipe")
+                             "pp-interleaved, deepspeed-pipe")
     parser.add_argument("--steps", type=int, default=3, help="fine-tuning steps (parallel engines)")
     parser.add_argument("--ds-config", default=None, help="DeepSpeed JSON (zero1/2/3 engines)")
     args, _ = parser.parse_known_args(argv)  # launchers may add their own flags
-    if args.engine in ("pp-gpipe", "pp-1f1b", "deepspeed-pipe"):
+    if args.engine in ("pp-gpipe", "pp-1f1b", "pp-interleaved", "deepspeed-pipe"):
         from .demo_pp import run as run_pp
         return run_pp(args.engine, args.steps, args.check)
     if args.engine == "tp":

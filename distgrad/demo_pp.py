@@ -1,5 +1,6 @@
 """The main job under pipeline parallelism:
-``torchrun --nproc_per_node 2 -m distgrad.demo --engine pp-1f1b`` (or ``pp-gpipe``, or
+``torchrun --nproc_per_node 2 -m distgrad.demo --engine pp-1f1b`` (or ``pp-gpipe``;
+``pp-interleaved``: ScheduleInterleaved1F1B over two one-block stages per rank, on 2 ranks; or
 ``deepspeed-pipe``: the same blocks as a DeepSpeed PipelineModule run by ``train_batch``).
 
 A 4-block MLP regression model is split over the ranks, one stage each (a manual split: each rank
@@ -54,11 +55,28 @@ def build(width: int = 8) -> Net:
     return Net(width)
 
 
+def layers_of(net: Net, rank: int, world: int, interleaved: bool = False) -> list[int]:
+    """The indices of the blocks ``rank`` runs: a contiguous share, or (interleaved) one block
+    per stage, round robin (rank r: r, r + world, ...)."""
+    if interleaved:
+        return list(range(rank, len(net.layers), world))
+    per = len(net.layers) // world
+    return list(range(rank * per, (rank + 1) * per))
+
+
 def stage_of(net: Net, rank: int, world: int):
     from torch.distributed.pipelining import PipelineStage
     per = len(net.layers) // world
     return PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
                          torch.device("cpu"))
+
+
+def interleaved_stages(net: Net, rank: int, world: int) -> list:
+    """One stage per block, round robin over the ranks."""
+    from torch.distributed.pipelining import PipelineStage
+    n = len(net.layers)
+    return [PipelineStage(Blocks(net.layers[s:s + 1]), s, n, torch.device("cpu"))
+            for s in layers_of(net, rank, world, interleaved=True)]
 
 
 def batches(steps: int):
@@ -81,7 +99,7 @@ def _deepspeed_pipeline(net: Net, world: int):
 
 
 def run(schedule_name: str, steps: int, check: bool) -> int:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     deepspeed = schedule_name == "deepspeed-pipe"
     if deepspeed:
         import deepspeed as ds
@@ -93,6 +111,10 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
         net = build()
         if deepspeed:
             model = distgrad.wrap(_deepspeed_pipeline(net, world), full_model=net)
+        elif schedule_name == "pp-interleaved":
+            schedule = ScheduleInterleaved1F1B(interleaved_stages(net, rank, world),
+                                               n_microbatches=MICROBATCHES, loss_fn=nn.MSELoss())
+            model = distgrad.wrap(schedule, full_model=net)
         else:
             kind = {"pp-gpipe": ScheduleGPipe, "pp-1f1b": Schedule1F1B}[schedule_name]
             schedule = kind(stage_of(net, rank, world), n_microbatches=MICROBATCHES,
@@ -117,7 +139,9 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
             tables.append([g.norm().item() for g in grads])
         if rank == 0:
             scale = "the whole batch's mean loss" if deepspeed else "each microbatch's own loss"
-            print(f"engine {schedule_name}, {world} stages, {MICROBATCHES} microbatches, {steps} "
+            stages = len(net.layers) if schedule_name == "pp-interleaved" else world
+            print(f"engine {schedule_name}, {stages} stages on {world} ranks, {MICROBATCHES} "
+                  f"microbatches, {steps} "
                   f"steps; norms of the saved gradients ({scale}):")
             print("step " + "".join(f"{'layers[%d]' % i:>12}" for i in range(len(tables[0]))))
             for s, row in enumerate(tables):
@@ -125,9 +149,9 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
         if not check:
             return 0
         ref_tables, ref = _reference(batches(steps), 1 if deepspeed else MICROBATCHES)
-        per = len(net.layers) // world
-        own = [p for layer in net.layers[rank * per:(rank + 1) * per] for p in layer.parameters()]
-        want = [p for layer in ref.layers[rank * per:(rank + 1) * per] for p in layer.parameters()]
+        mine = layers_of(net, rank, world, interleaved=schedule_name == "pp-interleaved")
+        own = [p for i in mine for p in net.layers[i].parameters()]
+        want = [p for i in mine for p in ref.layers[i].parameters()]
         ok = all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
                  for a, b in zip(tables, ref_tables))
         ok = ok and all(torch.allclose(p, q, atol=1e-5, rtol=0) for p, q in zip(own, want))

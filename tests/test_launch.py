@@ -10,7 +10,8 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import ENGINES, free_port  # noqa: E402
 
 
-@pytest.mark.parametrize("engine", ENGINES + ["tp", "pp-gpipe", "pp-1f1b", "deepspeed-pipe"])
+@pytest.mark.parametrize("engine", ENGINES + ["tp", "pp-gpipe", "pp-1f1b", "pp-interleaved",
+                                              "deepspeed-pipe"])
 def test_demo_under_torchrun_matches_one_process(engine):
     """The shipped launch script: a few SGD steps with an edit, checked on rank 0."""
     import subprocess

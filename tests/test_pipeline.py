@@ -33,6 +33,29 @@ def test_two_stages(schedule, microbatches, tmp_path):
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "looped"])
+def test_two_stages_per_rank(schedule, tmp_path):
+    """ScheduleInterleaved1F1B and ScheduleLoopedBFS: 4 stages on 2 ranks (rank 0 runs layers
+    0 and 2, rank 1 layers 1 and 3), the same body and oracle as one stage per rank."""
+    for rank, result in enumerate(_job(tmp_path, schedule, 4, 2)):
+        for case in ("case_read_edit", "case_read_edit_thread", "case_out_of_order"):
+            assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
+
+
+def test_edit_across_stages_of_one_rank_raises(tmp_path):
+    """Interleaved: layers[0] and layers[2] run on rank 0 (stages 0 and 2). An edit of layers[2]
+    built from layers[0]'s value would send stage 2's gradient into stage 0's graph, which the
+    schedule then backpropagates a second time; distgrad refuses it with its own message on
+    every rank (as for a value received from another rank)."""
+    for rank, result in enumerate(_job(tmp_path, "interleaved", 4, 2, cases="cross_grad")):
+        assert result.get("case_cross_grad") == "ok", f"rank {rank}:\n{result}"
+
+
+def test_zero_bubble_schedules_are_refused_at_wrap(tmp_path):
+    for rank, result in enumerate(_job(tmp_path, "interleaved", 4, 2, cases="refused")):
+        assert result.get("case_refused") == "ok", f"rank {rank}:\n{result}"
+
+
 def test_values_larger_than_one_message(tmp_path):
     """[4, 2048] fp32 values (32 KiB): a batch of two of them (stage 0's outputs for stage 1)
     is longer than a first message carries and sends the rest in a second one."""

@@ -37,7 +37,8 @@ class DeepSpeedPipeEngine(PipelineEngine):
 
     def __init__(self, engine, full_model):
         self.ds = engine
-        self._setup(full_model, engine.module, engine.stage_id, engine.num_stages)
+        self.stages = []
+        self._setup(full_model, [engine.module], [engine.stage_id], engine.num_stages)
 
     def microbatches(self) -> int:
         return self.ds.micro_batches
@@ -61,12 +62,13 @@ class DeepSpeedPipeEngine(PipelineEngine):
         table = type(ds)._INSTRUCTION_MAP
         forward, backward = table[schedule.ForwardPass], table[schedule.BackwardPass]
         count = {"F": 0, "B": 0}
+        stage = ds.stage_id
 
         def counted(phase, real):
             def run(engine, *args, **kwargs):
                 microbatch = count[phase]
                 count[phase] += 1
-                with on_chunk(phase, microbatch):
+                with on_chunk(phase, stage, microbatch):
                     real(engine, *args, **kwargs)
                 if phase == "F" and engine.is_last_stage():
                     on_loss(microbatch, engine.loss)

@@ -1,4 +1,4 @@
-"""Pipeline parallel: a ``torch.distributed.pipelining`` schedule over one stage per rank.
+"""Pipeline parallel: a ``torch.distributed.pipelining`` schedule, one or more stages per rank.
 
     stage = PipelineStage(my_blocks, rank, world, device)
     schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
@@ -19,11 +19,16 @@ same body, so the owner serves the same request and sends what it got to every o
 message per receiving rank and moment below (``pipeline_messages.py``). The receiver takes it
 only at a moment when the owner has certainly sent it, which makes waiting safe in every schedule:
 
-* a forward value of an earlier stage: at the start of this rank's forward of the microbatch
-  (it needed the earlier stage's output, so the earlier stage's hooks had fired);
-* a forward value or gradient of a later stage: at the start of this rank's backward of the
-  microbatch (it needed the later stage's gradient);
-* a gradient of an earlier stage: when this rank's step has finished.
+* a forward value of an earlier stage: at the start of the forward of the microbatch on this
+  rank's first stage after it (which needed the earlier stage's output, so its hooks had fired);
+* a forward value or gradient of a later stage: at the start of the backward of the microbatch
+  on this rank's last stage before it (which needed the later stage's gradient);
+* a gradient of a stage after all of this rank's: when this rank's step has finished.
+
+Batches are named by that moment of the receiver, ``(phase, receiving stage, microbatch)`` or
+``"end"`` (``pipeline_run._moment``). With the round-robin placement of interleaved and looped
+schedules each rank has one stage between any two of another rank's, so a batch has one
+sending stage, and between neighbouring stages it rides on the schedule's own message.
 
 ``with tr.loss.backward():`` uses the loss only to open the block, so there no rank waits for it
 and none sends it (``only_opens_block``).
@@ -69,50 +74,71 @@ class PipelineEngine(DistributedEngine):
     captures_body = True  # the trace body runs once per microbatch
 
     def __init__(self, schedule, full_model: torch.nn.Module):
-        stage = getattr(schedule, "_stage", None)
-        if stage is None:
-            raise NotImplementedError(
-                f"distgrad.wrap({type(schedule).__name__}): only schedules with one stage per "
-                "rank (ScheduleGPipe, Schedule1F1B) are supported so far.")
-        self.schedule, self.stage = schedule, stage
-        self._setup(full_model, stage.submod, stage.stage_index, stage.num_stages)
+        stages = getattr(schedule, "_stages", None)
+        if stages is None:
+            stages = [schedule._stage] if getattr(schedule, "_stage", None) is not None else []
+        if not stages:
+            raise NotImplementedError(f"distgrad.wrap({type(schedule).__name__}): a schedule "
+                                      f"with no pipeline stage is not supported.")
+        _refuse_split_backward(schedule, stages)
+        self.schedule, self.stages = schedule, list(stages)
+        self.stage = self.stages[0]
+        self._setup(full_model, [st.submod for st in stages], [st.stage_index for st in stages],
+                    stages[0].num_stages)
 
-    def _setup(self, full_model, submod, stage_index: int, num_stages: int) -> None:
+    def _setup(self, full_model, submods: list, stage_indices: list, num_stages: int) -> None:
         if full_model is None:
             raise TypeError("distgrad.wrap(pipeline, full_model=net): pass the whole model (it "
                             "may be on the meta device) so that the body can use its paths.")
-        if dist.is_initialized() and dist.get_world_size() != num_stages:
-            raise NotImplementedError(f"distgrad runs pipelines of one stage per rank: {num_stages} "
-                                      f"stages on {dist.get_world_size()} ranks.")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world * len(stage_indices) != num_stages:
+            raise NotImplementedError(
+                f"distgrad runs pipelines with the same number of stages on every rank: "
+                f"{num_stages} stages on {world} ranks, {len(stage_indices)} here.")
+        mine = sorted(stage_indices)
+        if any(b == a + 1 for a, b in zip(mine, mine[1:])):
+            raise NotImplementedError(
+                f"distgrad.wrap: stages {mine} run on one rank, two of them neighbours (a "
+                f"V-shaped schedule); distgrad supports schedules whose neighbouring stages are "
+                f"on different ranks (GPipe, 1F1B, Interleaved1F1B, LoopedBFS).")
         super().__init__(full_model, group=dist.group.WORLD, gather=False)
         self.full = full_model
         # values received from other stages are placed where this stage's parameters live
-        first = next(submod.parameters(), None)
+        first = next((p for m in submods for p in m.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
-        # This stage's modules, as the whole model names them: the very objects after a manual
+        # This rank's modules, as the whole model names them: the very objects after a manual
         # split; copies under the same names after the pipeline() frontend (which traces the
         # model into new modules but keeps the paths)
-        mine = {id(m) for m in submod.modules()}
-        by_name = dict(submod.named_modules())
-        self.local = {id(m): m for m in full_model.modules() if id(m) in mine}
-        if not self.local:  # id(module of full_model) -> the module this stage runs
-            self.local = {id(m): by_name[n] for n, m in full_model.named_modules()
-                          if n and n in by_name}
-        names = [n for n, m in full_model.named_modules() if id(m) in self.local]
-        table = [None] * dist.get_world_size()
-        dist.all_gather_object(table, (stage_index, names, self._can_carry()))
-        self.stage_of_name = {n: s for s, ns, _ in table for n in ns}
-        self.rank_of_stage = {s: r for r, (s, _, _) in enumerate(table)}
-        # Neighbours whose own activation messages also carry distgrad's values (carry());
-        # decided from every rank's answer, so both ends of a link agree.
-        can = {s: c for s, _, c in table}
-        self.carry_to = self.rank_of_stage[stage_index + 1] \
-            if can[stage_index] and can.get(stage_index + 1) else None
-        self.carry_from = self.rank_of_stage[stage_index - 1] \
-            if can[stage_index] and can.get(stage_index - 1) else None
-        self.carry_room: dict = {}  # (phase, microbatch) -> a receive buffer with room
+        ids = {id(m) for sub in submods for m in sub.modules()}
+        self.local = {id(m): m for m in full_model.modules() if id(m) in ids}
+        names_of = {}  # stage -> the whole model's names of the modules it runs
+        for sub, index in zip(submods, stage_indices):
+            here = {id(m) for m in sub.modules()}
+            by_name = dict(sub.named_modules())
+            found = [n for n, m in full_model.named_modules() if id(m) in here]
+            if not found:  # id(module of full_model) -> the module this stage runs
+                found = [n for n in by_name if n and n in dict(full_model.named_modules())]
+                full = dict(full_model.named_modules())
+                self.local.update({id(full[n]): by_name[n] for n in found})
+            names_of[index] = found
+        table = [None] * world
+        dist.all_gather_object(table, (names_of, self._can_carry()))
+        self.stage_of_name = {n: s for ns, _ in table for s, names in ns.items() for n in names}
+        self.rank_of_stage = {s: r for r, (ns, _) in enumerate(table) for s in ns}
+        self.stages_of_rank = {r: sorted(ns) for r, (ns, _) in enumerate(table)}
+        # Neighbours whose own activation messages also carry distgrad's values (carry()), per
+        # stage of this rank; decided from every rank's answer, so both ends of a link agree.
+        can = {r: c for r, (_, c) in enumerate(table)}
+        rank = self._job_rank
+        self.carry_to, self.carry_from = {}, {}
+        for s in mine:
+            for other, links in ((s + 1, self.carry_to), (s - 1, self.carry_from)):
+                peer = self.rank_of_stage.get(other)
+                if peer is not None and can[rank] and can[peer]:
+                    links[s] = peer
+        self.carry_room: dict = {}  # (phase, stage, microbatch) -> a receive buffer with room
         self.names = {id(m): n for n, m in full_model.named_modules()}
-        self.my_stage = stage_index
+        self.my_stages = tuple(mine)
         self.last_stage = num_stages - 1
         self.channel = dist.new_group(backend="gloo")  # distgrad's own sends and receives
 
@@ -122,24 +148,23 @@ class PipelineEngine(DistributedEngine):
 
     def run_step(self, args: tuple, kwargs: dict):
         """One step of the schedule: inputs on the first stage, target and losses on the last."""
-        stage, schedule = self.stage, self.schedule
+        stages, schedule = self.stages, self.schedule
         kwargs = dict(kwargs)
         target, losses = kwargs.pop("target", None), kwargs.pop("losses", None)
-        step_args = args if stage.is_first else ()
-        if stage.is_last:
+        step_args = args if any(st.is_first for st in stages) else ()
+        if any(st.is_last for st in stages):
             return schedule.step(*step_args, target=target, losses=losses, **kwargs)
         return schedule.step(*step_args, **kwargs)
 
     def instrument(self, on_chunk, on_loss):
-        """Call ``on_chunk(phase, microbatch)`` as each chunk starts ("F"/"B") and
+        """Call ``on_chunk(phase, stage, microbatch)`` as each chunk starts ("F"/"B") and
         ``on_loss(microbatch, loss)`` when the last stage has a microbatch's loss. Returns
         a function that undoes it."""
-        stage, schedule = self.stage, self.schedule
-        fwd, bwd, loss = stage.forward_one_chunk, stage.backward_one_chunk, schedule._maybe_compute_loss
+        schedule, loss = self.schedule, self.schedule._maybe_compute_loss
 
-        def chunk(phase, real):
+        def chunk(phase, index, real):
             def run(chunk_id, *args, **kwargs):
-                with on_chunk(phase, chunk_id):
+                with on_chunk(phase, index, chunk_id):
                     return real(chunk_id, *args, **kwargs)
             return run
 
@@ -148,18 +173,20 @@ class PipelineEngine(DistributedEngine):
             if st.is_last:
                 on_loss(mb_index, schedule._internal_losses[-1])
 
-        stage.forward_one_chunk = chunk("F", fwd)
-        stage.backward_one_chunk = chunk("B", bwd)
+        for stage in self.stages:
+            stage.forward_one_chunk = chunk("F", stage.stage_index, stage.forward_one_chunk)
+            stage.backward_one_chunk = chunk("B", stage.stage_index, stage.backward_one_chunk)
         schedule._maybe_compute_loss = compute_loss
 
         def restore():
-            for obj, name in ((stage, "forward_one_chunk"), (stage, "backward_one_chunk"),
-                              (schedule, "_maybe_compute_loss")):
-                obj.__dict__.pop(name, None)
+            for stage in self.stages:
+                for name in ("forward_one_chunk", "backward_one_chunk"):
+                    stage.__dict__.pop(name, None)
+            schedule.__dict__.pop("_maybe_compute_loss", None)
         return restore
 
     def _can_carry(self) -> bool:
-        """Whether this stage's activation messages can carry distgrad's bytes: host tensors on
+        """Whether this rank's activation messages can carry distgrad's bytes: host tensors on
         a gloo group (the values are packed in host memory)."""
         group = self.stage.group or dist.group.WORLD
         return self.device.type == "cpu" and dist.get_backend(group) == "gloo"
@@ -170,30 +197,31 @@ class PipelineEngine(DistributedEngine):
         the previous one (``messages.outgoing``; receives get room for them,
         ``messages.incoming``). A value then costs no message of its own, and a batch always
         arrives. Returns the undo, or None where no link carries."""
-        if self.carry_to is None and self.carry_from is None:
+        if not self.carry_to and not self.carry_from:
             return None
-        stage, names = self.stage, []
+        patched = []
 
-        def sends(name, phase):
-            real = getattr(stage, name)
-            setattr(stage, name, lambda chunk: messages.outgoing(phase, chunk, real(chunk)))
-            names.append(name)
+        def sends(stage, name, phase):
+            real, index = getattr(stage, name), stage.stage_index
+            setattr(stage, name, lambda chunk: messages.outgoing(phase, index, chunk, real(chunk)))
+            patched.append((stage, name))
 
-        def receives(name, phase, records):  # records: the stage's {chunk: receive records}
-            real = getattr(stage, name)
+        def receives(stage, name, phase, records):  # records: the stage's {chunk: receive records}
+            real, index = getattr(stage, name), stage.stage_index
             setattr(stage, name, lambda chunk: messages.incoming(
-                phase, chunk, real(chunk), getattr(stage, records).get(chunk, ())))
-            names.append(name)
-        if self.carry_to is not None:  # activations out, gradients in
-            sends("get_fwd_send_ops", "F")
-            receives("get_bwd_recv_ops", "B", "grad_recv_info")
-        if self.carry_from is not None:  # activations in, gradients out
-            receives("get_fwd_recv_ops", "F", "args_recv_info")
-            sends("get_bwd_send_ops", "B")
+                phase, index, chunk, real(chunk), getattr(stage, records).get(chunk, ())))
+            patched.append((stage, name))
+        for stage in self.stages:
+            if stage.stage_index in self.carry_to:  # activations out, gradients in
+                sends(stage, "get_fwd_send_ops", "F")
+                receives(stage, "get_bwd_recv_ops", "B", "grad_recv_info")
+            if stage.stage_index in self.carry_from:  # activations in, gradients out
+                receives(stage, "get_fwd_recv_ops", "F", "args_recv_info")
+                sends(stage, "get_bwd_send_ops", "B")
 
         def restore():
             messages.give_back()
-            for name in names:
+            for stage, name in patched:
                 stage.__dict__.pop(name, None)
         return restore
 
@@ -205,11 +233,24 @@ class PipelineEngine(DistributedEngine):
         return self.stage_of_name.get(self.names.get(id(module)))
 
     def owns(self, module) -> bool:
-        return self.stage_of(module) == self.my_stage
+        return self.stage_of(module) in self.my_stages
 
     def run_captured(self, trace, code, names, frame) -> None:
         from .pipeline_run import PipelineRun
         PipelineRun(self, trace).run(code, names, frame)
+
+
+def _refuse_split_backward(schedule, stages) -> None:
+    """Zero-bubble schedules split each backward in two (input, then weights), which the
+    chunk events here do not model."""
+    order = getattr(schedule, "pipeline_order", None) or {}
+    kinds = {getattr(a.computation_type, "value", a.computation_type)
+             for actions in order.values() for a in actions or () if a is not None}
+    if kinds & {"I", "W"}:
+        raise NotImplementedError(
+            f"distgrad.wrap({type(schedule).__name__}): schedules that split the backward into "
+            f"input and weight parts (zero-bubble) are not supported; use ScheduleGPipe, "
+            f"Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS.")
 
 
 # -- what a trace's body needs, kept here so that the run reads as the schedule -----------

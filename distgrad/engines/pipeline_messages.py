@@ -43,9 +43,14 @@ _ZEROS = [(0,) * (_META - 5 - n) for n in range(_META - 4)]  # shape padding by 
 _SPARE: list = []  # receive buffers whose batches are unpacked, for the next receives
 
 
+_MOST_MICROBATCHES = 4096  # per step: keeps every batch's tag below the check's (_CHECK)
+
+
 def _tag(key, part: int) -> int:
-    index = 2 if key == "end" else 3 * key[1] + (key[0] == "B")
-    return 2 * index + part
+    """The message tag of batch ``key``: ``"end"`` or ``(phase, receiving stage, microbatch)``."""
+    if key == "end":
+        return 4 + part
+    return 2 * (3 + 2 * (key[1] * _MOST_MICROBATCHES + key[2]) + (key[0] == "B")) + part
 
 
 class Messages(RequestChecks):
@@ -53,8 +58,9 @@ class Messages(RequestChecks):
 
     def __init__(self, engine):
         self.engine, self.channel = engine, engine.channel
+        # per stage of this rank, the rank whose schedule messages with it carry batches
         self.carry_to, self.carry_from = engine.carry_to, engine.carry_from  # see carry()
-        self.carried: dict = {}   # (phase, microbatch) -> where the carried bytes arrive
+        self.carried: dict = {}   # (phase, stage, microbatch) -> where the carried bytes arrive
         self.room = engine.carry_room  # receive buffers with room, kept across steps
         self.swapped: list = []   # (stage record, its own buffer) while ours stands in
         # What went and came on the channel, by peer: compared across ranks when the step ends
@@ -95,7 +101,8 @@ class Messages(RequestChecks):
         """Send batch ``key`` to each rank that has values in it."""
         self.sent.add(key)
         batches = self.outbox.pop(key, {})
-        carrier = None if key == "end" else self.carry_to if key[0] == "F" else self.carry_from
+        carrier = None if key == "end" else self.carry_to.get(key[1] - 1) if key[0] == "F" \
+            else self.carry_from.get(key[1] + 1)  # the rank of the key's stage, if carried
         if carrier is not None:  # that one goes with the schedule's message (outgoing)
             self.outbox[key] = {carrier: batches.pop(carrier, [])}
         for dst, entries in batches.items():
@@ -116,10 +123,14 @@ class Messages(RequestChecks):
     # gradients to the previous stage carry ("B", m) batches. Every such message is received
     # with room for a batch, and a message that brings none means an empty one, so a receiver
     # never waits for a batch that does not come.
-    def outgoing(self, phase: str, chunk: int, ops: list) -> list:
-        """The schedule's sends of ``chunk`` in ``phase``, the last one to the neighbour replaced
-        by one message of its bytes followed by this rank's batch for that rank, if any."""
-        key, dst = (phase, chunk), self.carry_to if phase == "F" else self.carry_from
+    def outgoing(self, phase: str, stage: int, chunk: int, ops: list) -> list:
+        """The schedule's sends of ``stage``'s ``chunk`` in ``phase``, the last one to the
+        neighbour replaced by one message of its bytes followed by this rank's batch for that
+        rank, if any."""
+        if phase == "F":
+            key, dst = ("F", stage + 1, chunk), self.carry_to[stage]
+        else:
+            key, dst = ("B", stage - 1, chunk), self.carry_from[stage]
         entries = self.outbox.pop(key, {}).get(dst)
         at = _last_with(ops, dst)
         if at is None:  # nothing of the schedule's goes there: send the batch on its own
@@ -140,12 +151,12 @@ class Messages(RequestChecks):
         op.tensor = both  # (the op is the schedule's own, made for this one message)
         return ops
 
-    def incoming(self, phase: str, chunk: int, ops: list, infos=()) -> list:
+    def incoming(self, phase: str, stage: int, chunk: int, ops: list, infos=()) -> list:
         """The schedule's receives of ``chunk`` in ``phase``, the last one from the neighbour
         received into a buffer with room for that rank's batch after the schedule's bytes.
         ``infos``: the stage's records of what it receives; the one whose buffer this is gets
         a view of the bytes in that buffer, so nothing needs copying when they arrive."""
-        key, src = (phase, chunk), self._carrier(phase)
+        key, src = (phase, stage, chunk), self._carrier(phase, stage)
         at = _last_with(ops, src)
         if at is None:  # the sender's ``outgoing`` found no message of the schedule's either
             self._post(src, key)
@@ -169,17 +180,17 @@ class Messages(RequestChecks):
         op.tensor = both
         return ops
 
-    def arrived(self, phase: str, chunk: int) -> None:
-        """As this stage starts ``chunk`` in ``phase`` (the schedule has waited for its
+    def arrived(self, phase: str, stage: int, chunk: int) -> None:
+        """As ``stage`` starts ``chunk`` in ``phase`` (the schedule has waited for its
         receives): unpack the batch that came with the schedule's bytes."""
-        key = (phase, chunk)
+        key = (phase, stage, chunk)
         found = self.carried.pop(key, None)
         if found is None:
             return
         copy_to, both, view, size = found
         if copy_to is not None:
             copy_to.detach().view(-1).view(torch.uint8).copy_(both[:size])
-        src = self._carrier(phase)
+        src = self._carrier(phase, stage)
         self.posted[(src, key)] = [None, None]  # arrived with the schedule's bytes
         if struct.unpack_from("<q", view, size)[0] != -1:
             self._parse(src, key, both[size:])
@@ -190,9 +201,9 @@ class Messages(RequestChecks):
             info.buffer = tensor
         self.swapped.clear()
 
-    def _carrier(self, phase: str):
-        """The rank whose messages of ``phase`` to this one carry batches, if any."""
-        return self.carry_from if phase == "F" else self.carry_to
+    def _carrier(self, phase: str, stage: int):
+        """The rank whose messages of ``phase`` to this rank's ``stage`` carry batches, if any."""
+        return self.carry_from.get(stage) if phase == "F" else self.carry_to.get(stage)
 
     def finish(self) -> None:
         """Send what is left (the ``"end"`` batches), check with every rank that each value sent
@@ -211,7 +222,7 @@ class Messages(RequestChecks):
     def expect(self, src: int, key) -> None:
         """Post the receive of ``src``'s batch ``key`` now, so that it arrives in the background."""
         if (src, key) not in self.posted:
-            if key != "end" and src == self._carrier(key[0]):
+            if key != "end" and src == self._carrier(key[0], key[1]):
                 return  # it comes with the schedule's message (incoming, arrived)
             self._post(src, key)
 

@@ -15,7 +15,7 @@ from ..errors import OutOfOrderError, TraceStateError
 from ..run import BodyRunners
 from ..session import BODIES, Body, Session, Stop
 from .pipeline import LossPoint, PipelineEngine, joined, only_opens_block
-from .pipeline_messages import Messages
+from .pipeline_messages import _MOST_MICROBATCHES, Messages
 
 
 class PipelineRun:
@@ -26,9 +26,15 @@ class PipelineRun:
         self.waiting: dict = {}   # event key -> [(body, src rank, tag)]
         self.fired: set = set()   # event keys passed
         self.messages = Messages(engine)
-        self.remote: dict = {}    # id(tensor) -> (tensor, stage) for values sent by another rank
-        self.earlier: dict = {}   # microbatch -> [(label, reached)]: received earlier-stage values
-        self.others = [(r, s) for s, r in engine.rank_of_stage.items() if s != engine.my_stage]
+        self.stage_of: dict = {}  # id(tensor) -> (tensor, stage) for the values handed to bodies
+        self.point_stage: dict = {}  # module point -> the stage that runs its module
+        # microbatch -> [(label, stages whose backward reached it, its stage)] for the values
+        # an edit on another stage could use (see _check_earlier)
+        self.earlier: dict = {}
+        self.in_backward = None   # the stage of this rank whose backward chunk is running
+        self.mine = engine.my_stages
+        self.others = [(r, stages) for r, stages in engine.stages_of_rank.items()
+                       if r != engine._job_rank]
         self.batch_keys: dict = {}  # (microbatch, forward) -> {rank: batch key}, see _send
         self.session = None
 
@@ -37,6 +43,9 @@ class PipelineRun:
         engine, trace = self.engine, self.trace
         args, kwargs = trace.raw_inputs
         n = engine.microbatches()
+        if n > _MOST_MICROBATCHES:
+            raise NotImplementedError(f"distgrad runs pipeline steps of at most "
+                                      f"{_MOST_MICROBATCHES} microbatches, not {n}.")
         scheduler = greenlet.getcurrent()
         bodies = [Body(trace, index=m, scheduler=scheduler) for m in range(n)]
         for body in bodies:
@@ -52,7 +61,7 @@ class PipelineRun:
         restore = self._instrument()
         engine.answering.append(self.messages)  # what it has sent, for a peer that asks
         try:
-            if engine.my_stage != 0:  # it idles until the first activation comes anyway
+            if 0 not in self.mine:  # it idles until the first activation comes anyway
                 self.messages.post_check_receives()
             self._schedule(bodies, runners)
             # Every request is made, so nothing more joins the "end" batches: they go now, not
@@ -79,23 +88,25 @@ class PipelineRun:
         self.loss_point = LossPoint()
 
         @contextlib.contextmanager
-        def on_chunk(phase, microbatch):
+        def on_chunk(phase, stage, microbatch):
             # the schedule has received this chunk's inputs, and with them the values its
             # neighbour sent along (Messages.arrived)
-            self.messages.arrived(phase, microbatch)
-            self._event((phase, microbatch))
+            self.messages.arrived(phase, stage, microbatch)
+            self._event((phase, stage, microbatch))
             session.microbatch = microbatch if phase == "F" else -1
+            self.in_backward = None if phase == "F" else stage
             try:
                 yield
             finally:
                 session.microbatch = -1
+                self.in_backward = None
             # the batch of values this chunk produced goes before the schedule sends the chunk's
             # result, so a receiver that got the result can take the values without waiting
-            self.messages.flush((phase, microbatch))
+            self._flush_chunk(phase, stage, microbatch)
             if phase == "F":  # every module of this stage has run for the microbatch
-                self._event(("F-end", microbatch))
+                self._event(("F-end", stage, microbatch))
             else:
-                self._check_earlier(microbatch)
+                self._check_earlier(stage, microbatch)
 
         def on_loss(microbatch, loss):
             if (self.loss_point, microbatch) in session.wanted:
@@ -112,23 +123,39 @@ class PipelineRun:
             undo()
         return restore
 
-    def _check_earlier(self, microbatch: int) -> None:
-        """One process would carry the gradient of a value this stage received from an earlier
-        one back into that stage; a pipeline does not, so a backward that reached such a copy
-        (an edit here built from it) would give that stage wrong gradients: refuse it."""
-        for label, reached in self.earlier.pop(microbatch, ()):
-            if reached:
+    def _flush_chunk(self, phase: str, stage: int, microbatch: int) -> None:
+        """Send, for every other rank, the batch this chunk completes: after a forward the
+        batches of the ranks that take this stage's values in a later stage's forward, after a
+        backward those of the ranks that take them in an earlier stage's backward."""
+        messages = self.messages
+        for key in self._keys(microbatch, phase == "F", stage).values():
+            if key != "end" and key[0] == phase and key not in messages.sent:
+                messages.flush(key)
+
+    def _note_reach(self, value, label: str, stage: int, microbatch: int) -> None:
+        """Note which of this rank's stages' backward reaches ``value`` (of ``stage``)."""
+        reached = []
+        value.register_hook(lambda grad: reached.append(self.in_backward))
+        self.earlier.setdefault(microbatch, []).append((label, reached, stage))
+
+    def _check_earlier(self, stage: int, microbatch: int) -> None:
+        """One process would carry the gradient of a value that an edit on a later stage used
+        back into the value's own stage; a pipeline does not (a copy received from another rank
+        ends there; on this rank, the earlier stage's backward would find its graph already
+        used), so the later stage's backward reaching the value is refused."""
+        for label, reached, owner in self.earlier.get(microbatch, ()):
+            if any(s is not None and s != owner for s in reached):
                 raise NotImplementedError(
-                    f"{label} (run by an earlier pipeline stage) was used in an edit on stage "
-                    f"{self.engine.my_stage}, so its gradient would have to flow back to that "
-                    f"stage, which distgrad does not do: the earlier stage's gradients would "
-                    f"differ from one process. Use {label}.detach() in the edit to treat it as a "
+                    f"{label} (run by pipeline stage {owner}) was used in an edit on stage "
+                    f"{stage}, so its gradient would have to flow back to stage {owner}, which "
+                    f"a pipeline schedule does not do: stage {owner}'s gradients would differ "
+                    f"from one process. Use {label}.detach() in the edit to treat it as a "
                     f"constant, or make the edit on the stage that runs it.")
 
     def _event(self, key) -> None:
         self.fired.add(key)
         if key in self.waiting or key in self.session.wanted:
-            self.session.hand((_PHASES[key[0]], key[1]), None)
+            self.session.hand((_PHASES[key[0]], key[1], key[2]), None)
 
     # -- the scheduler ----------------------------------------------------------------------
     def _schedule(self, bodies, runners: BodyRunners) -> None:
@@ -160,7 +187,7 @@ class PipelineRun:
             # a local value may already have passed: notice when, for this advance only
             marks = []
             for body in waiting:
-                mark = _passed_at(body.pending)
+                mark = self._passed_at(body.pending)
                 if mark is not None and mark not in wanted:
                     wanted[mark] = 1
                     marks.append(mark)
@@ -178,7 +205,7 @@ class PipelineRun:
                         wake(body)
             elif key[0].__class__ is _Phase:  # a mark: bodies whose value has passed raise
                 for body in waiting:
-                    if _passed_at(body.pending) == key:
+                    if self._passed_at(body.pending) == key:
                         wake(body)
 
     def _deliver(self, key, wake) -> None:
@@ -186,6 +213,18 @@ class PipelineRun:
         for body, src, tag in self.waiting.pop(key):
             body.remote_value = self.messages.take(src, key, tag)
             wake(body)
+
+    def _passed_at(self, pending):
+        """The event after which a body waiting for ``pending`` (a local forward value or loss)
+        can no longer get it, or None."""
+        if isinstance(pending, tuple) and len(pending) == 2 and isinstance(pending[1], int):
+            point = pending[0]
+            if isinstance(point, LossPoint):
+                return ("B", self.engine.last_stage, pending[1])
+            stage = self.point_stage.get(point)
+            if stage is not None:
+                return ("F-end", stage, pending[1])
+        return None
 
     # -- what the body asks for ---------------------------------------------------------------
     def module_value(self, body, envoy, kind: str):
@@ -201,18 +240,15 @@ class PipelineRun:
         self._in_order(body, stage, True, path, "." + kind)
         body.seq += 1
         tag = body.index * 100_000 + body.seq
-        if stage != engine.my_stage:
+        if stage not in self.mine:
             src = engine.rank_of_stage[stage]
-            event = ("F", body.index) if stage < engine.my_stage else ("B", body.index)
+            event = _moment(self.mine, stage, body.index, True)
             value = self._wait_remote(body, event, src, tag)
-            self.remote[id(value)] = (value, stage)
-            if stage < engine.my_stage and value.requires_grad:
-                # note whether this stage's backward reaches the copy: see _check_earlier
-                reached = []
-                value.register_hook(lambda grad: reached.append(True))
-                self.earlier.setdefault(body.index, []).append((f"{path}.{kind}", reached))
+            self.stage_of[id(value)] = (value, stage)
+            if event[0] == "F" and value.requires_grad:  # a value of an earlier stage
+                self._note_reach(value, f"{path}.{kind}", stage, body.index)
             return Stop(("remote", tag), value, None, kind, 0, None)
-        if ("F-end", body.index) in self.fired:
+        if ("F-end", stage, body.index) in self.fired:
             raise OutOfOrderError(_passed(path, kind))
         module = engine.local[id(module)]
         point = session.points.get((id(module), kind))
@@ -221,8 +257,13 @@ class PipelineRun:
             for outer in envoy._ancestors():
                 if engine.owns(outer._module):
                     session.module_point(engine.local[id(outer._module)], outer._path, "output")
+        self.point_stage[point] = stage
         stop = session.request(body, (point, body.index), lambda: _passed(path, kind))
-        self._send(stop.view, tag, body.index, forward=True)
+        self.stage_of[id(stop.view)] = (stop.view, stage)
+        if len(self.mine) > 1 and isinstance(stop.view, torch.Tensor) and stop.view.requires_grad:
+            # another stage of this rank may use it in an edit
+            self._note_reach(stop.view, f"{path}.{kind}", stage, body.index)
+        self._send(stop.view, tag, body.index, True, stage)
         return stop
 
     def loss(self, body):
@@ -233,15 +274,16 @@ class PipelineRun:
         # body can see: the block opens on a stand-in (the schedule runs the real backward)
         if only_opens_block(sys._getframe(2)):  # every rank: none waits, none sends
             value = _STAND_IN
-        elif engine.my_stage != engine.last_stage:
-            src = engine.rank_of_stage[engine.last_stage]
-            value = self._wait_remote(body, ("B", body.index), src, tag)
+        elif engine.last_stage not in self.mine:
+            last = engine.last_stage
+            event = _moment(self.mine, last, body.index, True)
+            value = self._wait_remote(body, event, engine.rank_of_stage[last], tag)
         else:
-            if ("B", body.index) in self.fired:
+            if ("B", engine.last_stage, body.index) in self.fired:
                 raise OutOfOrderError(_LATE_LOSS)
             stop = self.session.request(body, (self.loss_point, body.index), lambda: _LATE_LOSS)
             value = stop.view
-            self._send(value, tag, body.index, forward=True)
+            self._send(value, tag, body.index, True, engine.last_stage)
         body.loss = value
         return value
 
@@ -253,13 +295,16 @@ class PipelineRun:
 
     def grad(self, body, tensor):
         engine, session = self.engine, self.session
-        entry = self.remote.get(id(tensor))
-        stage = entry[1] if entry is not None and entry[0] is tensor else engine.my_stage
+        entry = self.stage_of.get(id(tensor))
+        if entry is not None and entry[0] is tensor:
+            stage = entry[1]
+        else:  # a tensor the body made: the latest stage of this rank it read values of
+            stage = max((s for s in self.mine if s <= body.last_stage), default=self.mine[0])
         self._in_order(body, stage, False, tensor, ".grad")
         body.seq += 1
         tag = body.index * 100_000 + body.seq
-        if stage != engine.my_stage:
-            event = ("B", body.index) if stage > engine.my_stage else "end"
+        if stage not in self.mine:
+            event = _moment(self.mine, stage, body.index, False)
             value = self._wait_remote(body, event, engine.rank_of_stage[stage], tag)
             # the body is "at" this gradient now, as its owner is: `t.grad = t.grad * 2` reads
             # and writes this one stop on every rank alike
@@ -272,19 +317,21 @@ class PipelineRun:
         stop = session.request(body, (point, point.calls), lambda: (
             f"{body.label_of(tensor)}.grad was requested after this stage's backward had passed "
             f"it; request gradients in reverse-forward order."), tensor=tensor)
-        self._send(stop.view, tag, body.index, forward=False)
+        self._send(stop.view, tag, body.index, False, stage)
         return stop
 
-    def _send(self, value, tag: int, microbatch: int, forward: bool) -> None:
-        """Queue a value this stage owns for every other rank, in the batch of the moment that
-        rank takes it (the module text of ``pipeline.py``)."""
-        keys = self.batch_keys.get((microbatch, forward))
-        if keys is None:  # the same for every value of this microbatch and direction
-            mine, m = self.engine.my_stage, microbatch
-            keys = self.batch_keys[(microbatch, forward)] = {
-                dst: (("F", m) if stage > mine else ("B", m)) if forward else
-                (("B", m) if stage < mine else "end") for dst, stage in self.others}
-        self.messages.send(value, tag, keys)
+    def _send(self, value, tag: int, microbatch: int, forward: bool, stage: int) -> None:
+        """Queue a value of this rank's ``stage`` for every other rank, in the batch of the
+        moment that rank takes it (the module text of ``pipeline.py``)."""
+        self.messages.send(value, tag, self._keys(microbatch, forward, stage))
+
+    def _keys(self, microbatch: int, forward: bool, stage: int) -> dict:
+        """``{rank: the batch key}`` of a forward value (or gradient) of ``stage``."""
+        keys = self.batch_keys.get((microbatch, forward, stage))
+        if keys is None:  # the same for every value of this microbatch, direction and stage
+            keys = self.batch_keys[(microbatch, forward, stage)] = {
+                dst: _moment(theirs, stage, microbatch, forward) for dst, theirs in self.others}
+        return keys
 
     def _in_order(self, body, stage: int, forward: bool, named, kind: str) -> None:
         """``named``: the module path, or the tensor whose label words the error."""
@@ -335,16 +382,19 @@ _LATE_LOSS = ("tr.loss was requested after the last stage had started the microb
               "read tr.loss once, after the forward values and before the backward block.")
 
 
-def _passed_at(pending):
-    """The event after which a body waiting for ``pending`` (a local forward value or loss)
-    can no longer get it, or None."""
-    if isinstance(pending, tuple) and len(pending) == 2 and isinstance(pending[1], int):
-        point = pending[0]
-        if isinstance(point, LossPoint):
-            return ("B", pending[1])
-        if getattr(point, "kind", None) in ("output", "input"):
-            return ("F-end", pending[1])
-    return None
+def _moment(stages, stage: int, microbatch: int, forward: bool):
+    """The batch key under which a rank running ``stages`` takes a forward value (or a
+    gradient) of another rank's ``stage``: the first moment of its own at which the owner has
+    certainly sent it (the module text of ``pipeline.py``). A forward value: the forward of its
+    first stage after ``stage`` (which needed ``stage``'s output), else the backward of its last
+    stage before it (which needed the later stages' gradients). A gradient: the backward of its
+    last stage before ``stage``, else when its step has ended."""
+    if forward:
+        later = [s for s in stages if s > stage]
+        if later:
+            return ("F", later[0], microbatch)
+    earlier = [s for s in stages if s < stage]
+    return ("B", earlier[-1], microbatch) if earlier else "end"
 
 
 def _passed(path, kind):

@@ -1,6 +1,7 @@
 """One pipeline-parallel job: a 4-block MLP split over the ranks (one stage each) and run by a
 torch.distributed.pipelining schedule; every case in one process group.
-Usage: pp_job.py --schedule {gpipe,1f1b} --microbatches M --out DIR (ranks from the environment).
+Usage: pp_job.py --schedule {gpipe,1f1b,interleaved,looped} --microbatches M --out DIR (ranks from
+the environment); interleaved and looped run two stages per rank (one block each, on 2 ranks).
 
 Oracle: the same model unsplit on one process, plain hooks doing the same edits, the whole batch
 at once (fp32, atol 1e-5). torch's schedules backpropagate each microbatch's mean loss and then
@@ -303,6 +304,17 @@ def case_rank_dependent_grad(model, net, ctx):
         undo()
 
 
+def case_refused(model, net, ctx):
+    """Zero-bubble schedules (the backward split into input and weight parts) are refused at
+    wrap, on every rank, before any collective: the same stages under
+    ScheduleInterleavedZeroBubble."""
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+    schedule = ScheduleInterleavedZeroBubble(ctx["stages"], n_microbatches=ctx["m"],
+                                             loss_fn=nn.MSELoss())
+    expect_error(lambda: distgrad.wrap(schedule, full_model=net), NotImplementedError,
+                 "zero-bubble", heard=False)
+
+
 def case_killed(model, net, ctx):
     """The last stage dies (SIGKILL) in its body during the step: the first stage, waiting in
     the schedule or for a value, reports a lost rank within the failure timeout and exits
@@ -341,15 +353,17 @@ def case_failure(model, net, ctx):
 
 def main():
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B, ScheduleLoopedBFS,
                                               SplitPoint, pipeline)
     parser = argparse.ArgumentParser()
-    parser.add_argument("--schedule", required=True, choices=["gpipe", "1f1b"])
+    parser.add_argument("--schedule", required=True,
+                        choices=["gpipe", "1f1b", "interleaved", "looped"])
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default="all",
                         choices=["all", "failure", "late_read", "after_loss", "grad_order",
                                  "cross_grad", "killed", "rank_dependent", "rank_dependent_grad",
-                                 "rank_dependent_far", "slow_owner"])
+                                 "rank_dependent_far", "slow_owner", "refused"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
@@ -360,7 +374,12 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     net = build(WIDTH)
     per = len(net.layers) // world
-    if args.split == "manual":  # each rank keeps its own blocks of the whole model
+    looped = {"interleaved": ScheduleInterleaved1F1B, "looped": ScheduleLoopedBFS}
+    if args.schedule in looped:  # two stages per rank, round robin: rank r runs r and r + world
+        stages = [PipelineStage(Blocks(net.layers[s:s + 1]), s, 2 * world, torch.device("cpu"))
+                  for s in (rank, rank + world)]
+        stage = stages[0]
+    elif args.split == "manual":  # each rank keeps its own blocks of the whole model
         stage = PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
                               torch.device("cpu"))
     else:  # the pipeline() frontend traces the model and splits it at the given layers
@@ -368,10 +387,15 @@ def main():
         pipe = pipeline(net, mb_args=(x.chunk(args.microbatches)[0],),
                         split_spec={f"layers.{per * r}": SplitPoint.BEGINNING for r in range(1, world)})
         stage = pipe.build_stage(rank, torch.device("cpu"))
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
-    schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=nn.MSELoss())
+    if args.schedule in looped:
+        schedule = looped[args.schedule](stages, n_microbatches=args.microbatches,
+                                         loss_fn=nn.MSELoss())
+    else:
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+        schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=nn.MSELoss())
     model = distgrad.wrap(schedule, full_model=net)
-    ctx = {"rank": rank, "world": world, "m": args.microbatches}
+    ctx = {"rank": rank, "world": world, "m": args.microbatches,
+           "stages": stages if args.schedule in looped else [stage]}
     # each ends the job's group when it raises, so an error case runs last
     cases = {"all": (case_read_edit, case_read_edit_thread, case_out_of_order), "failure": (case_failure,),
              "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,),
@@ -379,7 +403,7 @@ def main():
              "rank_dependent": (case_rank_dependent,),
              "rank_dependent_grad": (case_rank_dependent_grad,),
              "rank_dependent_far": (case_rank_dependent_far,),
-             "slow_owner": (case_slow_owner,)}[args.cases]
+             "slow_owner": (case_slow_owner,), "refused": (case_refused,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, ctx)
 
 

@@ -27,6 +27,7 @@ from torch import nn
 
 import distgrad
 from distgrad.demo_pp import Blocks, Net
+from pp_steps import pipeline_steps
 
 
 def main():
@@ -47,34 +48,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, args.width, generator=g), torch.randn(32, args.width, generator=g)
 
-    def raw():
-        kept = []
-
-        def on_grad(grad):
-            kept.append(grad.clone())
-            return grad * 2
-
-        def on_output(module, inputs, out):
-            kept.append(out.detach())
-            out.register_hook(on_grad)
-
-        handle = net.layers[1].register_forward_hook(on_output)
-        schedule.step(x, target=y)
-        handle.remove()
-
-    def traced():
-        with model.trace(x, target=y) as tr:
-            h = model.layers[1].output.save()
-            with tr.loss.backward():
-                h.grad.save()
-                h.grad = h.grad * 2
-
-    def traced_empty():
-        with model.trace(x, target=y) as tr:
-            with tr.loss.backward():
-                pass
-
-    fns = {"raw hooks": raw, "distgrad": traced, "distgrad, a body that reads nothing": traced_empty}
+    fns = pipeline_steps(model, net, x, y, lambda: schedule.step(x, target=y), owns_layer1=True)
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()

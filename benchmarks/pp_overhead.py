@@ -19,6 +19,7 @@ from torch import nn
 
 import distgrad
 from distgrad.demo_pp import Blocks, Net
+from pp_steps import pipeline_steps
 from ranks import print_ratios, time_in_turns
 
 
@@ -47,39 +48,10 @@ def main():
         else:
             schedule.step(target=y, **kw)
 
-    def raw():
-        kept = []
-
-        def on_grad(grad):
-            kept.append(grad.clone())
-            return grad * 2
-
-        def on_output(module, inputs, out):
-            kept.append(out.detach())
-            out.register_hook(on_grad)
-
-        handle = net.layers[1].register_forward_hook(on_output) if rank * per <= 1 < (rank + 1) * per else None
-        step()
-        if handle is not None:
-            handle.remove()
-        return kept
-
-    def traced():
-        with model.trace(x, target=y) as tr:
-            h = model.layers[1].output.save()
-            with tr.loss.backward():
-                g1 = h.grad.save()
-                h.grad = h.grad * 2
-        return h, g1
-
-    def traced_empty():
-        with model.trace(x, target=y) as tr:
-            with tr.loss.backward():
-                pass
-
-    raw(), traced()
+    fns = pipeline_steps(model, net, x, y, step, owns_layer1=rank * per <= 1 < (rank + 1) * per)
+    for fn in fns.values():
+        fn()
     net.zero_grad(set_to_none=True)
-    fns = {"raw hooks": raw, "distgrad": traced, "distgrad, a body that reads nothing": traced_empty}
     times = time_in_turns(fns, args.steps, after=lambda: net.zero_grad(set_to_none=True))
     if rank == 0:
         print(f"torch {torch.__version__}, 1F1B over {world} stages, 4 microbatches, width "

@@ -112,13 +112,13 @@ class PipelineEngine(DistributedEngine):
         ids = {id(m) for sub in submods for m in sub.modules()}
         self.local = {id(m): m for m in full_model.modules() if id(m) in ids}
         names_of = {}  # stage -> the whole model's names of the modules it runs
+        full = dict(full_model.named_modules())
         for sub, index in zip(submods, stage_indices):
             here = {id(m) for m in sub.modules()}
-            by_name = dict(sub.named_modules())
-            found = [n for n, m in full_model.named_modules() if id(m) in here]
+            found = [n for n, m in full.items() if id(m) in here]
             if not found:  # id(module of full_model) -> the module this stage runs
-                found = [n for n in by_name if n and n in dict(full_model.named_modules())]
-                full = dict(full_model.named_modules())
+                by_name = dict(sub.named_modules())
+                found = [n for n in by_name if n and n in full]
                 self.local.update({id(full[n]): by_name[n] for n in found})
             names_of[index] = found
         table = [None] * world
@@ -126,6 +126,14 @@ class PipelineEngine(DistributedEngine):
         self.stage_of_name = {n: s for ns, _ in table for s, names in ns.items() for n in names}
         self.rank_of_stage = {s: r for r, (ns, _) in enumerate(table) for s in ns}
         self.stages_of_rank = {r: sorted(ns) for r, (ns, _) in enumerate(table)}
+        if len(mine) > 1 and any(r != s % world for s, r in self.rank_of_stage.items()):
+            # (every rank reads the same table, so every rank raises here alike)
+            self._watch.stop()  # nothing left behind: the failure watcher's thread ends
+            raise NotImplementedError(
+                f"distgrad.wrap: with several stages per rank distgrad needs them placed round "
+                f"robin (stage s on rank s % {world}, as ScheduleInterleaved1F1B and "
+                f"ScheduleLoopedBFS do), so that one rank's stage lies between any two of "
+                f"another's; here: {self.stages_of_rank}.")
         # Neighbours whose own activation messages also carry distgrad's values (carry()), per
         # stage of this rank; decided from every rank's answer, so both ends of a link agree.
         can = {r: c for r, (_, c) in enumerate(table)}

@@ -2,12 +2,15 @@
 step with raw hooks.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/pp_overhead.py [--steps 200]
+        [--width 256] [--schedule 1f1b|interleaved]
 
 The 4-block MLP of distgrad/demo_pp.py (widened to 256 so that a step is not all Python). The
 step: save layers[1]'s output (stage 0) and its gradient, and double that gradient. Raw hooks
 do it on the owning stage only: a forward hook that keeps the output and registers a tensor hook
 that keeps the gradient and returns it doubled. distgrad also sends the values to the other
 stage (every rank ends with them) and joins the microbatches. Rank 0 prints medians and the ratio.
+``--schedule interleaved``: ScheduleInterleaved1F1B over one block per stage, two stages per rank
+(layers[1] is then rank 1's).
 """
 from __future__ import annotations
 
@@ -18,43 +21,49 @@ import torch.distributed as dist
 from torch import nn
 
 import distgrad
-from distgrad.demo_pp import Blocks, Net
+from distgrad.demo_pp import Blocks, Net, interleaved_stages, layers_of
 from pp_steps import pipeline_steps
 from ranks import print_ratios, time_in_turns
 
 
 def main():
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     net = Net(width=args.width)
-    per = len(net.layers) // world
-    stage = PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
-                          torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=nn.MSELoss())
+    interleaved = args.schedule == "interleaved"
+    if interleaved:
+        stages = interleaved_stages(net, rank, world)
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=nn.MSELoss())
+    else:
+        per = len(net.layers) // world
+        stages = [PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
+                                torch.device("cpu"))]
+        schedule = Schedule1F1B(stages[0], n_microbatches=4, loss_fn=nn.MSELoss())
     model = distgrad.wrap(schedule, full_model=net)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, args.width, generator=g), torch.randn(32, args.width, generator=g)
 
-    def step(**kw):
-        if stage.is_first:
-            schedule.step(x, **kw)
-        else:
-            schedule.step(target=y, **kw)
+    def step():
+        first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
+        schedule.step(*((x,) if first else ()), **({"target": y} if last else {}))
 
-    fns = pipeline_steps(model, net, x, y, step, owns_layer1=rank * per <= 1 < (rank + 1) * per)
+    owns = 1 in layers_of(net, rank, world, interleaved)
+    fns = pipeline_steps(model, net, x, y, step, owns_layer1=owns)
     for fn in fns.values():
         fn()
     net.zero_grad(set_to_none=True)
     times = time_in_turns(fns, args.steps, after=lambda: net.zero_grad(set_to_none=True))
     if rank == 0:
-        print(f"torch {torch.__version__}, 1F1B over {world} stages, 4 microbatches, width "
+        print(f"torch {torch.__version__}, {args.schedule} over {len(stages) * world} stages on "
+              f"{world} ranks, 4 microbatches, width "
               f"{args.width}, gloo, median of {args.steps}")
         print_ratios(times, "raw hooks")
     dist.destroy_process_group()

@@ -50,9 +50,9 @@ class Blocks(nn.Module):
         return x
 
 
-def build(width: int = 8) -> Net:
+def build(width: int = 8, blocks: int = 4) -> Net:
     torch.manual_seed(0)
-    return Net(width)
+    return Net(width, blocks)
 
 
 def layers_of(net: Net, rank: int, world: int, interleaved: bool = False) -> list[int]:

@@ -27,6 +27,7 @@ from distgrad.demo_pp import Blocks, build  # noqa: E402  the demo's 4-block MLP
 
 
 WIDTH = 8  # --width; 2048 makes each microbatch's values larger than one message carries
+BLOCKS = 4  # blocks of the MLP: 4, or one per stage for two stages per rank on more than 2 ranks
 
 
 def batch():
@@ -35,7 +36,7 @@ def batch():
 
 
 def oracle(x, y, m):
-    net = build(WIDTH)
+    net = build(WIDTH, BLOCKS)
     seen = {}
 
     def keep(i, factor=1.0):
@@ -263,7 +264,7 @@ def case_slow_owner(model, net, ctx):
             pause()
     if time.monotonic() - start < distgrad.config.failure_timeout:  # what this case is about
         raise AssertionError("the trace did not wait for the slow stage 0")
-    ref = build(WIDTH)  # the same weights, unsplit, with plain autograd
+    ref = build(WIDTH, BLOCKS)  # the same weights, unsplit, with plain autograd
     h1 = ref.layers[1](ref.layers[0](x))
     h1.retain_grad()
     nn.MSELoss()(ref.layers[3](ref.layers[2](h1)), y).backward()
@@ -367,12 +368,14 @@ def main():
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
-    global WIDTH
+    global WIDTH, BLOCKS
     WIDTH = args.width
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    BLOCKS = max(4, 2 * world) if args.schedule in ("interleaved", "looped") else 4
     distgrad.config.failure_timeout = 3.0
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    net = build(WIDTH)
+    net = build(WIDTH, BLOCKS)
     per = len(net.layers) // world
     looped = {"interleaved": ScheduleInterleaved1F1B, "looped": ScheduleLoopedBFS}
     if args.schedule in looped:  # two stages per rank, round robin: rank r runs r and r + world

@@ -26,7 +26,7 @@ only at a moment when the owner has certainly sent it, which makes waiting safe 
 * a gradient of a stage after all of this rank's: when this rank's step has finished.
 
 Batches are named by that moment of the receiver, ``(phase, receiving stage, microbatch)`` or
-``"end"`` (``pipeline_run._moment``). With the round-robin placement of interleaved and looped
+``"end"`` (``moment``). With the round-robin placement of interleaved and looped
 schedules each rank has one stage between any two of another rank's, so a batch has one
 sending stage, and between neighbouring stages it rides on the schedule's own message.
 
@@ -263,6 +263,21 @@ def _refuse_split_backward(schedule, stages) -> None:
 
 # -- what a trace's body needs, kept here so that the run reads as the schedule -----------
 _SITES: dict = {}  # (code, offset) -> whether `tr.loss` read there only opens a block
+
+
+def moment(stages, stage: int, microbatch: int, forward: bool):
+    """The batch key under which a rank running ``stages`` takes a forward value (or a
+    gradient) of another rank's ``stage``: the first moment of its own at which the owner has
+    certainly sent it (the module text above). A forward value: the forward of its
+    first stage after ``stage`` (which needed ``stage``'s output), else the backward of its last
+    stage before it (which needed the later stages' gradients). A gradient: the backward of its
+    last stage before ``stage``, else when its step has ended."""
+    if forward:
+        later = [s for s in stages if s > stage]
+        if later:
+            return ("F", later[0], microbatch)
+    earlier = [s for s in stages if s < stage]
+    return ("B", earlier[-1], microbatch) if earlier else "end"
 
 
 def only_opens_block(frame) -> bool:

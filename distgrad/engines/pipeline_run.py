@@ -14,7 +14,7 @@ from ..backward import step_threaded
 from ..errors import OutOfOrderError, TraceStateError
 from ..run import BodyRunners
 from ..session import BODIES, Body, Session, Stop
-from .pipeline import LossPoint, PipelineEngine, joined, only_opens_block
+from .pipeline import LossPoint, PipelineEngine, moment, joined, only_opens_block
 from .pipeline_messages import _MOST_MICROBATCHES, Messages
 
 
@@ -242,7 +242,7 @@ class PipelineRun:
         tag = body.index * 100_000 + body.seq
         if stage not in self.mine:
             src = engine.rank_of_stage[stage]
-            event = _moment(self.mine, stage, body.index, True)
+            event = moment(self.mine, stage, body.index, True)
             value = self._wait_remote(body, event, src, tag)
             self.stage_of[id(value)] = (value, stage)
             if event[0] == "F" and value.requires_grad:  # a value of an earlier stage
@@ -276,7 +276,7 @@ class PipelineRun:
             value = _STAND_IN
         elif engine.last_stage not in self.mine:
             last = engine.last_stage
-            event = _moment(self.mine, last, body.index, True)
+            event = moment(self.mine, last, body.index, True)
             value = self._wait_remote(body, event, engine.rank_of_stage[last], tag)
         else:
             if ("B", engine.last_stage, body.index) in self.fired:
@@ -304,7 +304,7 @@ class PipelineRun:
         body.seq += 1
         tag = body.index * 100_000 + body.seq
         if stage not in self.mine:
-            event = _moment(self.mine, stage, body.index, False)
+            event = moment(self.mine, stage, body.index, False)
             value = self._wait_remote(body, event, engine.rank_of_stage[stage], tag)
             # the body is "at" this gradient now, as its owner is: `t.grad = t.grad * 2` reads
             # and writes this one stop on every rank alike
@@ -330,7 +330,7 @@ class PipelineRun:
         keys = self.batch_keys.get((microbatch, forward, stage))
         if keys is None:  # the same for every value of this microbatch, direction and stage
             keys = self.batch_keys[(microbatch, forward, stage)] = {
-                dst: _moment(theirs, stage, microbatch, forward) for dst, theirs in self.others}
+                dst: moment(theirs, stage, microbatch, forward) for dst, theirs in self.others}
         return keys
 
     def _in_order(self, body, stage: int, forward: bool, named, kind: str) -> None:
@@ -380,21 +380,6 @@ _PHASES = {p: _Phase(p) for p in ("F", "B", "F-end")}
 _STAND_IN = torch.zeros((), requires_grad=True)
 _LATE_LOSS = ("tr.loss was requested after the last stage had started the microbatch's backward; "
               "read tr.loss once, after the forward values and before the backward block.")
-
-
-def _moment(stages, stage: int, microbatch: int, forward: bool):
-    """The batch key under which a rank running ``stages`` takes a forward value (or a
-    gradient) of another rank's ``stage``: the first moment of its own at which the owner has
-    certainly sent it (the module text of ``pipeline.py``). A forward value: the forward of its
-    first stage after ``stage`` (which needed ``stage``'s output), else the backward of its last
-    stage before it (which needed the later stages' gradients). A gradient: the backward of its
-    last stage before ``stage``, else when its step has ended."""
-    if forward:
-        later = [s for s in stages if s > stage]
-        if later:
-            return ("F", later[0], microbatch)
-    earlier = [s for s in stages if s < stage]
-    return ("B", earlier[-1], microbatch) if earlier else "end"
 
 
 def _passed(path, kind):

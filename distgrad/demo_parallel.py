@@ -128,9 +128,16 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
         # group's threads end here rather than while the interpreter exits, where gloo has been
         # seen to abort ("terminate called without an active exception") now and then.
         wrapped = model = opt = options = None
-        gc.collect()
-        if dist.is_initialized():  # distgrad destroys it on every rank after a failure
-            dist.destroy_process_group()
+        end_job()
+
+
+def end_job() -> None:
+    """The end of every demo: collect what the caller dropped (the engine and its wrapper keep
+    process groups, receive buffers and pooled greenlets alive), then destroy the groups, so that
+    their threads end here rather than while the interpreter exits."""
+    gc.collect()
+    if dist.is_initialized():  # distgrad destroys it on every rank after a failure
+        dist.destroy_process_group()
 
 
 def _init(engine: str) -> None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import distgrad
+from distgrad.demo_parallel import end_job
 
 MICROBATCHES = 4
 
@@ -162,8 +163,8 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
                   "OK" if verdict.item() else "MISMATCH")
         return 0 if verdict.item() else 1
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        model = schedule = net = opt = None  # (see end_job)
+        end_job()
 
 
 def _reference(data, scale: int):

@@ -35,7 +35,7 @@ class PipelineRun:
         self.mine = engine.my_stages
         self.others = [(r, stages) for r, stages in engine.stages_of_rank.items()
                        if r != engine._job_rank]
-        self.batch_keys: dict = {}  # (microbatch, forward) -> {rank: batch key}, see _send
+        self.batch_keys: dict = {}  # (microbatch, forward, stage) -> {rank: batch key}: _keys
         self.session = None
 
     # -- the trace --------------------------------------------------------------------------
@@ -259,10 +259,11 @@ class PipelineRun:
                     session.module_point(engine.local[id(outer._module)], outer._path, "output")
         self.point_stage[point] = stage
         stop = session.request(body, (point, body.index), lambda: _passed(path, kind))
-        self.stage_of[id(stop.view)] = (stop.view, stage)
-        if len(self.mine) > 1 and isinstance(stop.view, torch.Tensor) and stop.view.requires_grad:
-            # another stage of this rank may use it in an edit
-            self._note_reach(stop.view, f"{path}.{kind}", stage, body.index)
+        if len(self.mine) > 1:  # (with one stage, grad() finds it without this entry)
+            self.stage_of[id(stop.view)] = (stop.view, stage)
+            if isinstance(stop.view, torch.Tensor) and stop.view.requires_grad:
+                # another stage of this rank may use it in an edit
+                self._note_reach(stop.view, f"{path}.{kind}", stage, body.index)
         self._send(stop.view, tag, body.index, True, stage)
         return stop
 

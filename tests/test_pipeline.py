@@ -51,7 +51,7 @@ def test_edit_across_stages_of_one_rank_raises(tmp_path):
         assert result.get("case_cross_grad") == "ok", f"rank {rank}:\n{result}"
 
 
-def test_zero_bubble_schedules_are_refused_at_wrap(tmp_path):
+def test_unsupported_schedules_and_placements_are_refused_at_wrap(tmp_path):
     for rank, result in enumerate(_job(tmp_path, "interleaved", 4, 2, cases="refused")):
         assert result.get("case_refused") == "ok", f"rank {rank}:\n{result}"
 

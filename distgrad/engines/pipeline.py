@@ -90,18 +90,9 @@ class PipelineEngine(DistributedEngine):
         if full_model is None:
             raise TypeError("distgrad.wrap(pipeline, full_model=net): pass the whole model (it "
                             "may be on the meta device) so that the body can use its paths.")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world * len(stage_indices) != num_stages:
-            raise NotImplementedError(
-                f"distgrad runs pipelines with the same number of stages on every rank: "
-                f"{num_stages} stages on {world} ranks, {len(stage_indices)} here.")
         mine = sorted(stage_indices)
-        if any(b == a + 1 for a, b in zip(mine, mine[1:])):
-            raise NotImplementedError(
-                f"distgrad.wrap: stages {mine} run on one rank, two of them neighbours (a "
-                f"V-shaped schedule); distgrad supports schedules whose neighbouring stages are "
-                f"on different ranks (GPipe, 1F1B, Interleaved1F1B, LoopedBFS).")
         super().__init__(full_model, group=dist.group.WORLD, gather=False)
+        world = self._job_world
         self.full = full_model
         # values received from other stages are placed where this stage's parameters live
         first = next((p for m in submods for p in m.parameters()), None)
@@ -126,14 +117,12 @@ class PipelineEngine(DistributedEngine):
         self.stage_of_name = {n: s for ns, _ in table for s, names in ns.items() for n in names}
         self.rank_of_stage = {s: r for r, (ns, _) in enumerate(table) for s in ns}
         self.stages_of_rank = {r: sorted(ns) for r, (ns, _) in enumerate(table)}
-        if len(mine) > 1 and any(r != s % world for s, r in self.rank_of_stage.items()):
-            # (every rank reads the same table, so every rank raises here alike)
+        # The placement is checked here, from the table every rank holds, so that every rank
+        # raises alike: a rank refusing before the all_gather would leave the others in it.
+        refusal = _placement_refusal(self.stages_of_rank, num_stages)
+        if refusal is not None:
             self._watch.stop()  # nothing left behind: the failure watcher's thread ends
-            raise NotImplementedError(
-                f"distgrad.wrap: with several stages per rank distgrad needs them placed round "
-                f"robin (stage s on rank s % {world}, as ScheduleInterleaved1F1B and "
-                f"ScheduleLoopedBFS do), so that one rank's stage lies between any two of "
-                f"another's; here: {self.stages_of_rank}.")
+            raise NotImplementedError(refusal)
         # Neighbours whose own activation messages also carry distgrad's values (carry()), per
         # stage of this rank; decided from every rank's answer, so both ends of a link agree.
         can = {r: c for r, (_, c) in enumerate(table)}
@@ -246,6 +235,28 @@ class PipelineEngine(DistributedEngine):
     def run_captured(self, trace, code, names, frame) -> None:
         from .pipeline_run import PipelineRun
         PipelineRun(self, trace).run(code, names, frame)
+
+
+def _placement_refusal(stages_of_rank: dict, num_stages: int) -> str | None:
+    """Why distgrad cannot run this placement of stages on ranks, or None."""
+    world = len(stages_of_rank)
+    counts = {r: len(s) for r, s in stages_of_rank.items()}
+    if any(n * world != num_stages for n in counts.values()):
+        return (f"distgrad.wrap: distgrad runs pipelines with the same number of stages on "
+                f"every rank: {num_stages} stages on {world} ranks, placed {stages_of_rank} "
+                f"(rank: its stages).")
+    for rank, mine in stages_of_rank.items():
+        if any(b == a + 1 for a, b in zip(mine, mine[1:])):
+            return (f"distgrad.wrap: stages {mine} run on rank {rank}, two of them neighbours "
+                    f"(a V-shaped schedule); distgrad supports schedules whose neighbouring "
+                    f"stages are on different ranks (GPipe, 1F1B, Interleaved1F1B, LoopedBFS).")
+    if num_stages > world and any(r != s % world
+                                  for r, mine in stages_of_rank.items() for s in mine):
+        return (f"distgrad.wrap: with several stages per rank distgrad needs them placed round "
+                f"robin (stage s on rank s % {world}, as ScheduleInterleaved1F1B and "
+                f"ScheduleLoopedBFS do), so that one rank's stage lies between any two of "
+                f"another's; here: {stages_of_rank} (rank: its stages).")
+    return None
 
 
 def _refuse_split_backward(schedule, stages) -> None:

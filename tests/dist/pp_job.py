@@ -306,14 +306,37 @@ def case_rank_dependent_grad(model, net, ctx):
 
 
 def case_refused(model, net, ctx):
-    """Zero-bubble schedules (the backward split into input and weight parts) are refused at
-    wrap, on every rank, before any collective: the same stages under
-    ScheduleInterleavedZeroBubble."""
-    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+    """Schedules and placements distgrad does not run are refused at wrap, on every rank alike,
+    even where only one rank's own stages show the problem (that rank refusing alone would
+    leave the others waiting in wrap's all_gather): zero-bubble schedules (the backward split
+    into input and weight parts), and, in a custom schedule, a V-shaped placement (two
+    neighbouring stages on one rank), one that is not round robin, and a rank with fewer stages
+    than the others."""
+    import threading
+
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
     schedule = ScheduleInterleavedZeroBubble(ctx["stages"], n_microbatches=ctx["m"],
                                              loss_fn=nn.MSELoss())
     expect_error(lambda: distgrad.wrap(schedule, full_model=net), NotImplementedError,
                  "zero-bubble", heard=False)
+    rank, world = ctx["rank"], ctx["world"]
+    n = 2 * world
+    placements = {  # what this rank runs in each refused placement -> a word of the message
+        "V-shaped": (rank, n - 1 - rank),  # the rank in the middle holds two neighbours
+        "round robin": ((rank + 1) % world, (rank + 1) % world + world),
+        "same number of stages": (rank, rank + world) if rank else (rank,),
+    }
+    for says, mine in placements.items():
+        stages = [PipelineStage(Blocks(net.layers[s:s + 1]), s, n, torch.device("cpu"))
+                  for s in mine]
+        # torch's own multi-stage schedules place stages round robin and check it; these
+        # placements come from a custom schedule (its own action order) on torch's base class
+        schedule = PipelineScheduleMulti(stages, n_microbatches=ctx["m"], loss_fn=nn.MSELoss())
+        before = threading.active_count()
+        expect_error(lambda: distgrad.wrap(schedule, full_model=net), NotImplementedError,
+                     says, heard=False)
+        assert threading.active_count() == before, "wrap left a thread behind"
 
 
 def case_killed(model, net, ctx):

@@ -26,14 +26,21 @@ _trees: dict = {}
 _bodies: dict = {}  # (file, line of the with) -> (lines, source, (code, names, first line))
 
 
-def capture(frame) -> tuple:
-    """Compile the body of the ``with`` statement that ``frame`` is entering."""
+# What a captured body is, in messages: (the block, what to do instead of capturing it)
+INVOKE_BODY = ("`with tracer.invoke(...):` body", "or trace without invokes")
+PIPELINE_BODY = ("pipeline trace's body (`with model.trace(...):` over a pipeline schedule, "
+                 "run once per microbatch)", "such as a script run with torchrun")
+
+
+def capture(frame, what: tuple = INVOKE_BODY) -> tuple:
+    """Compile the body of the ``with`` statement that ``frame`` is entering. ``what``:
+    ``INVOKE_BODY`` or ``PIPELINE_BODY``, for the wording of errors."""
     filename = frame.f_code.co_filename
     lines = linecache.getlines(filename, frame.f_globals)
     if not lines:
-        raise RuntimeError(f"distgrad cannot read the source of {filename}, so a "
-                           "`with tracer.invoke(...):` body there cannot be run later. Put "
-                           "the code in a file or notebook cell, or trace without invokes.")
+        raise RuntimeError(f"distgrad cannot read the source of {filename}, so a {what[0]} "
+                           f"there cannot be run later. Put the code in a file or notebook "
+                           f"cell, {what[1]}.")
     line = frame.f_lineno
     known = _bodies.get((filename, line))
     if known is not None and known[0] is lines:
@@ -51,8 +58,8 @@ def capture(frame) -> tuple:
     if node is None:
         raise RuntimeError(f"distgrad could not find the `with` statement at {filename}:{line}.")
     if node.body[0].lineno <= max(item.context_expr.end_lineno for item in node.items):
-        raise SyntaxError(f"{filename}:{line}: put the body of `with tracer.invoke(...):` on its "
-                          "own lines; distgrad runs it later and cannot skip a one-line body.")
+        raise SyntaxError(f"{filename}:{line}: put the {what[0]} on its own lines; distgrad "
+                          f"runs it later and cannot skip a one-line body.")
     code = compile(ast.Module(body=node.body, type_ignores=[]), filename, "exec")
     found = (code, _bound_names(node.body), _first_real_line(node.body))
     _bodies[(filename, line)] = (lines, source, found)

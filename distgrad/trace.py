@@ -80,13 +80,16 @@ class Trace:
         if self._glet in BODIES:
             raise TraceStateError("a trace is already open in this body; traces do not nest. "
                                   "Close the first `with model.trace(...)` block before opening another.")
+        if getattr(self.engine, "captures_body", False):
+            # before anything is registered: if the body cannot be captured, __exit__ never
+            # runs, and nothing may be left to make the next trace think this one is open
+            frame = sys._getframe(1)
+            code, names, first_line = capture.capture(frame, capture.PIPELINE_BODY)
+            self.captured = (code, names, frame)
         BODIES[self._glet] = self.body
         self.engine.begin_trace()
-        if getattr(self.engine, "captures_body", False):
-            frame = sys._getframe(1)
-            code, names, first_line = capture.capture(frame)
-            self.captured = (code, names, frame)
-            capture.skip(frame, first_line)
+        if self.captured is not None:
+            capture.skip(self.captured[2], first_line)
         return self
 
     def __exit__(self, exc_type, exc, tb):

@@ -13,6 +13,10 @@ from launch import run_ranks  # noqa: E402
 JOB = str(Path(__file__).parent / "dist" / "pp_job.py")
 
 
+# what pp_job.py runs with --cases all, each checked on every rank
+_ALL = ("case_read_edit", "case_read_edit_thread", "case_body_without_source", "case_out_of_order")
+
+
 def _job(tmp_path, schedule, microbatches, world, cases="all", split="manual", width=8):
     procs = run_ranks([JOB, "--schedule", schedule, "--microbatches", str(microbatches),
                        "--cases", cases, "--split", split, "--width", str(width),
@@ -29,7 +33,7 @@ def _job(tmp_path, schedule, microbatches, world, cases="all", split="manual", w
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_two_stages(schedule, microbatches, tmp_path):
     for rank, result in enumerate(_job(tmp_path, schedule, microbatches, 2)):
-        for case in ("case_read_edit", "case_read_edit_thread", "case_out_of_order"):
+        for case in _ALL:
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 
@@ -38,7 +42,7 @@ def test_two_stages_per_rank(schedule, tmp_path):
     """ScheduleInterleaved1F1B and ScheduleLoopedBFS: 4 stages on 2 ranks (rank 0 runs layers
     0 and 2, rank 1 layers 1 and 3), the same body and oracle as one stage per rank."""
     for rank, result in enumerate(_job(tmp_path, schedule, 4, 2)):
-        for case in ("case_read_edit", "case_read_edit_thread", "case_out_of_order"):
+        for case in _ALL:
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 
@@ -60,14 +64,14 @@ def test_values_larger_than_one_message(tmp_path):
     """[4, 2048] fp32 values (32 KiB): a batch of two of them (stage 0's outputs for stage 1)
     is longer than a first message carries and sends the rest in a second one."""
     for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, width=2048)):
-        for case in ("case_read_edit", "case_read_edit_thread", "case_out_of_order"):
+        for case in _ALL:
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 
 def test_stages_from_the_pipeline_frontend(tmp_path):
     """Stages built by pipeline() are traced copies of the model's modules, found by path."""
     for rank, result in enumerate(_job(tmp_path, "gpipe", 2, 2, split="frontend")):
-        for case in ("case_read_edit", "case_read_edit_thread", "case_out_of_order"):
+        for case in _ALL:
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 
@@ -77,14 +81,14 @@ def test_two_stages_per_rank_on_four_ranks(tmp_path):
     not neighbours (rank 3 takes stage 0's layers[0] at its stage 3) travel in messages of their
     own, not on the schedule's."""
     for rank, result in enumerate(_job(tmp_path, "interleaved", 4, 4)):
-        for case in ("case_read_edit", "case_read_edit_thread", "case_out_of_order"):
+        for case in _ALL:
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 
 @pytest.mark.slow
 def test_four_stages_on_four_ranks(tmp_path):
     for rank, result in enumerate(_job(tmp_path, "1f1b", 4, 4)):
-        for case in ("case_read_edit", "case_read_edit_thread", "case_out_of_order"):
+        for case in _ALL:
             assert result.get(case) == "ok", f"rank {rank} {case}:\n{result.get(case)}"
 
 

@@ -305,6 +305,18 @@ def case_rank_dependent_grad(model, net, ctx):
         undo()
 
 
+def case_body_without_source(model, net, ctx):
+    """A pipeline trace whose source cannot be read (code from a string) raises a RuntimeError
+    saying so on every rank, before anything is sent, and leaves nothing open: the next trace
+    runs and gives the numbers of one process."""
+    x, y = batch()
+    code = ("with model.trace(x, target=y) as tr:\n"
+            "    h = model.layers[1].output.save()\n")
+    expect_error(lambda: exec(code, {"model": model, "x": x, "y": y}), RuntimeError,
+                 "cannot read the source of <string>, so a pipeline trace's body", heard=False)
+    case_read_edit(model, net, ctx)
+
+
 def case_refused(model, net, ctx):
     """Schedules and placements distgrad does not run are refused at wrap, on every rank alike,
     even where only one rank's own stages show the problem (that rank refusing alone would
@@ -423,7 +435,8 @@ def main():
     ctx = {"rank": rank, "world": world, "m": args.microbatches,
            "stages": stages if args.schedule in looped else [stage]}
     # each ends the job's group when it raises, so an error case runs last
-    cases = {"all": (case_read_edit, case_read_edit_thread, case_out_of_order), "failure": (case_failure,),
+    cases = {"all": (case_read_edit, case_read_edit_thread, case_body_without_source,
+                     case_out_of_order), "failure": (case_failure,),
              "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,),
              "cross_grad": (case_cross_grad,), "killed": (case_killed,),
              "rank_dependent": (case_rank_dependent,),

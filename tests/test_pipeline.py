@@ -181,18 +181,21 @@ def test_deepspeed_pipeline_rank_dependent_request_raises(tmp_path):
 
 def test_values_keep_dtype_shape_and_bytes_between_stages():
     """The byte format values cross stages in (engines/pipeline_messages.py), one process: each
-    value comes back with its dtype, shape, bytes and requires_grad, whether it took numpy's
-    path (host tensors, strided ones included) or the general one (bfloat16, a conjugate
-    view), and as a tensor of its own, not a view of the batch's reused buffer."""
+    value comes back with its dtype, shape, bytes and requires_grad, whichever path it took
+    (contiguous host tensors: their bytes where they lie, a storage offset included; strided
+    ones: numpy's; conjugate and negative views: the general one), and as a tensor of its own,
+    not a view of the batch's reused buffer."""
     import torch
     from distgrad.engines.pipeline_messages import _entry, _pack, _values
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3, 5, generator=g)
-    sent = [base, base.t(), base[:, ::2], torch.tensor(2.5), torch.zeros(0, 4),
+    cplx = torch.randn(2, 3, dtype=torch.complex64, generator=g)
+    sent = [base, base[1:], base.t(), base[:, ::2], torch.tensor(2.5), torch.zeros(0, 4),
             base.to(torch.bfloat16), base.to(torch.float16), base > 0,
-            torch.arange(7), torch.randn(2, 3, dtype=torch.complex64, generator=g).conj(),
+            torch.arange(7), cplx.conj(), cplx.conj().imag,  # conjugate and negative views
             (base * 1).requires_grad_(True)]
+    assert sent[11].is_neg() and sent[1].storage_offset() > 0
     batch = _pack([_entry(t, tag) for tag, t in enumerate(sent)])
     view = memoryview(batch.numpy())
     got = _values(view, len(sent), torch.device("cpu"))

@@ -240,11 +240,16 @@ class PipelineEngine(DistributedEngine):
 def _placement_refusal(stages_of_rank: dict, num_stages: int) -> str | None:
     """Why distgrad cannot run this placement of stages on ranks, or None."""
     world = len(stages_of_rank)
-    counts = {r: len(s) for r, s in stages_of_rank.items()}
-    if any(n * world != num_stages for n in counts.values()):
+    counts = {len(s) for s in stages_of_rank.values()}
+    if len(counts) > 1:
         return (f"distgrad.wrap: distgrad runs pipelines with the same number of stages on "
                 f"every rank: {num_stages} stages on {world} ranks, placed {stages_of_rank} "
                 f"(rank: its stages).")
+    if counts.pop() * world != num_stages:
+        return (f"distgrad.wrap: distgrad runs one pipeline over all the job's ranks, each stage "
+                f"on one rank; here {world} ranks run {num_stages} stages, placed "
+                f"{stages_of_rank} (rank: its stages). Pipelines replicated for data "
+                f"parallelism are not supported.")
     for rank, mine in stages_of_rank.items():
         if any(b == a + 1 for a, b in zip(mine, mine[1:])):
             return (f"distgrad.wrap: stages {mine} run on rank {rank}, two of them neighbours "

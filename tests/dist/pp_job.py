@@ -323,10 +323,11 @@ def case_refused(model, net, ctx):
     leave the others waiting in wrap's all_gather): zero-bubble schedules (the backward split
     into input and weight parts), and, in a custom schedule, a V-shaped placement (two
     neighbouring stages on one rank), one that is not round robin, and a rank with fewer stages
-    than the others."""
+    than the others; and a pipeline replicated for data parallelism."""
     import threading
 
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
+                                              ScheduleInterleavedZeroBubble)
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
     schedule = ScheduleInterleavedZeroBubble(ctx["stages"], n_microbatches=ctx["m"],
                                              loss_fn=nn.MSELoss())
@@ -349,6 +350,13 @@ def case_refused(model, net, ctx):
         expect_error(lambda: distgrad.wrap(schedule, full_model=net), NotImplementedError,
                      says, heard=False)
         assert threading.active_count() == before, "wrap left a thread behind"
+    # a pipeline replicated for data parallelism: every rank runs the whole model as stage 0
+    # of a one-stage pipeline of its own
+    groups = [dist.new_group([r]) for r in range(world)]  # (every rank makes every group)
+    whole = PipelineStage(Blocks(net.layers), 0, 1, torch.device("cpu"), group=groups[rank])
+    schedule = Schedule1F1B(whole, n_microbatches=ctx["m"], loss_fn=nn.MSELoss())
+    expect_error(lambda: distgrad.wrap(schedule, full_model=net), NotImplementedError,
+                 "replicated for data parallelism", heard=False)
 
 
 def case_killed(model, net, ctx):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -105,9 +106,58 @@ def case_read_edit_thread(model, net, ctx):
         distgrad.config.backward_mode = "auto"
 
 
-def case_out_of_order(model, net, ctx):
-    """A gradient of an earlier stage before one of a later stage raises on every rank."""
+# what a trace patches on a stage or the schedule for its duration (PipelineEngine.instrument
+# and carry): instance attributes over the class's methods
+_PATCHED = {"forward_one_chunk", "backward_one_chunk", "get_fwd_send_ops", "get_fwd_recv_ops",
+            "get_bwd_send_ops", "get_bwd_recv_ops", "_maybe_compute_loss"}
+
+
+def footprint(model, net, ctx) -> dict:
+    """What a pipeline trace could leave behind on this rank: hooks on the whole model's and
+    the stages' modules, patched stage and schedule methods, registered bodies, threads, the
+    engine's per-step records, idle runner greenlets."""
+    from distgrad.run import _idle
+    from distgrad.session import BODIES
+    engine = model._engine
+    modules = {id(m): m for root in [net] + [st.submod for st in ctx["stages"]]
+               for m in root.modules()}.values()
+    owners = ctx["stages"] + [engine.schedule]
+    return {"hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) +
+                         len(m._backward_hooks) for m in modules),
+            "patched": sorted(n for o in owners for n in vars(o) if n in _PATCHED),
+            "bodies": len(BODIES), "threads": threading.active_count(),
+            "answering": len(engine.answering), "receive buffers": len(engine.carry_room),
+            "idle runners": len(getattr(_idle, "runners", ()))}
+
+
+def case_nothing_left_behind(model, net, ctx):
+    """30 more traces leave the footprint of the first: nothing grows (hooks, patched methods,
+    registered bodies, threads, the engine's records, pooled greenlets)."""
     x, y = batch()
+
+    def step():
+        with model.trace(x, target=y) as tr:
+            h = model.layers[1].output.save()
+            model.layers[2].output = model.layers[2].output * 1
+            h3 = model.layers[3].output
+            with tr.loss.backward():
+                g = h3.grad.save()
+                h.grad = h.grad * 2
+        net.zero_grad(set_to_none=True)
+        return h, g
+    step()
+    first = footprint(model, net, ctx)
+    assert first["hooks"] == 0 and not first["patched"] and first["bodies"] == 0, first
+    for _ in range(30):
+        step()
+    assert footprint(model, net, ctx) == first, (first, footprint(model, net, ctx))
+
+
+def case_out_of_order(model, net, ctx):
+    """A gradient of an earlier stage before one of a later stage raises on every rank, and
+    leaves behind no hook, patched method or registered body."""
+    x, y = batch()
+    before = footprint(model, net, ctx)
 
     def run():
         with model.trace(x, target=y) as tr:
@@ -118,6 +168,9 @@ def case_out_of_order(model, net, ctx):
                 h3.grad
 
     expect_error(run, distgrad.OutOfOrderError, "stage")
+    after = footprint(model, net, ctx)
+    for key in ("hooks", "patched", "bodies"):
+        assert after[key] == before[key], (key, before, after)
 
 
 def case_late_read(model, net, ctx):
@@ -444,7 +497,7 @@ def main():
            "stages": stages if args.schedule in looped else [stage]}
     # each ends the job's group when it raises, so an error case runs last
     cases = {"all": (case_read_edit, case_read_edit_thread, case_body_without_source,
-                     case_out_of_order), "failure": (case_failure,),
+                     case_nothing_left_behind, case_out_of_order), "failure": (case_failure,),
              "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,),
              "cross_grad": (case_cross_grad,), "killed": (case_killed,),
              "rank_dependent": (case_rank_dependent,),

@@ -9,6 +9,8 @@ unchanged, 1e-5 for parameter gradients (the same ops run in both, so they agree
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,21 @@ import distgrad
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 torch.set_num_threads(1)
+
+# DeepSpeed compiles a C++ op on its first run and torch keeps it under TORCH_EXTENSIONS_DIR,
+# shared by default across every checkout of the machine. A build there is guarded by a bare
+# lock file: a build killed half way (a timed-out job) leaves it, and every later DeepSpeed job
+# then waits for it forever. So the suite keeps its own build here (the jobs it starts inherit
+# the variable), and pytest_configure removes a lock left by an earlier run.
+EXTENSIONS = Path(__file__).resolve().parent.parent / "build" / "torch_extensions"
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))
+
+
+def pytest_configure(config):
+    # in the controlling process only, before any worker or job starts: no build is running
+    if not hasattr(config, "workerinput") and os.environ["TORCH_EXTENSIONS_DIR"] == str(EXTENSIONS):
+        for lock in EXTENSIONS.glob("**/lock"):
+            lock.unlink(missing_ok=True)
 
 ATOL = 1e-6
 PARAM_ATOL = 1e-5

@@ -25,6 +25,8 @@ torch.set_num_threads(1)
 
 
 from distgrad.demo_pp import Blocks, build  # noqa: E402  the demo's 4-block MLP
+from pp_hygiene import (case_body_without_source, case_nothing_left_behind,  # noqa: E402
+                        case_refused, footprint)
 
 
 WIDTH = 8  # --width; 2048 makes each microbatch's values larger than one message carries
@@ -104,60 +106,6 @@ def case_read_edit_thread(model, net, ctx):
         case_read_edit(model, net, ctx)
     finally:
         distgrad.config.backward_mode = "auto"
-
-
-# what a trace patches on a stage or the schedule for its duration (PipelineEngine.instrument
-# and carry): instance attributes over the class's methods
-_PATCHED = {"forward_one_chunk", "backward_one_chunk", "get_fwd_send_ops", "get_fwd_recv_ops",
-            "get_bwd_send_ops", "get_bwd_recv_ops", "_maybe_compute_loss"}
-
-
-def footprint(model, net, ctx) -> dict:
-    """What a pipeline trace could leave behind on this rank: hooks on the whole model's and
-    the stages' modules, patched stage and schedule methods, registered bodies, threads, the
-    engine's per-step records, idle runner greenlets."""
-    from distgrad.engines.helper_waits import wait_on_a_helper
-    from distgrad.run import _idle
-    from distgrad.session import BODIES
-    # helpers that wait for a batch are pooled, made when first needed: once a trace ends,
-    # every one of them is idle again (none is left blocked on a receive)
-    helpers = [t for t in threading.enumerate() if t.name == "distgrad-batch-wait"]
-    engine = model._engine
-    modules = {id(m): m for root in [net] + [st.submod for st in ctx["stages"]]
-               for m in root.modules()}.values()
-    owners = ctx["stages"] + [engine.schedule]
-    return {"hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) +
-                         len(m._backward_hooks) for m in modules),
-            "patched": sorted(n for o in owners for n in vars(o) if n in _PATCHED),
-            "bodies": len(BODIES), "threads": threading.active_count() - len(helpers),
-            "blocked helpers": len(helpers) - len(wait_on_a_helper.__self__.idle),
-            "answering": len(engine.answering), "receive buffers": len(engine.carry_room),
-            "idle runners": len(getattr(_idle, "runners", ()))}
-
-
-def case_nothing_left_behind(model, net, ctx):
-    """30 more traces leave the footprint of the first: nothing grows (hooks, patched methods,
-    registered bodies, threads other than pooled idle helpers, the engine's records, pooled
-    greenlets)."""
-    x, y = batch()
-
-    def step():
-        with model.trace(x, target=y) as tr:
-            h = model.layers[1].output.save()
-            model.layers[2].output = model.layers[2].output * 1
-            h3 = model.layers[3].output
-            with tr.loss.backward():
-                g = h3.grad.save()
-                h.grad = h.grad * 2
-        net.zero_grad(set_to_none=True)
-        return h, g
-    step()
-    first = footprint(model, net, ctx)
-    assert first["hooks"] == 0 and not first["patched"] and first["bodies"] == 0 and \
-        first["blocked helpers"] == 0, first
-    for _ in range(30):
-        step()
-    assert footprint(model, net, ctx) == first, (first, footprint(model, net, ctx))
 
 
 def case_out_of_order(model, net, ctx):
@@ -365,60 +313,6 @@ def case_rank_dependent_grad(model, net, ctx):
         undo()
 
 
-def case_body_without_source(model, net, ctx):
-    """A pipeline trace whose source cannot be read (code from a string) raises a RuntimeError
-    saying so on every rank, before anything is sent, and leaves nothing open: the next trace
-    runs and gives the numbers of one process."""
-    x, y = batch()
-    code = ("with model.trace(x, target=y) as tr:\n"
-            "    h = model.layers[1].output.save()\n")
-    expect_error(lambda: exec(code, {"model": model, "x": x, "y": y}), RuntimeError,
-                 "cannot read the source of <string>, so a pipeline trace's body", heard=False)
-    case_read_edit(model, net, ctx)
-
-
-def case_refused(model, net, ctx):
-    """Schedules and placements distgrad does not run are refused at wrap, on every rank alike,
-    even where only one rank's own stages show the problem (that rank refusing alone would
-    leave the others waiting in wrap's all_gather): zero-bubble schedules (the backward split
-    into input and weight parts), and, in a custom schedule, a V-shaped placement (two
-    neighbouring stages on one rank), one that is not round robin, and a rank with fewer stages
-    than the others; and a pipeline replicated for data parallelism."""
-    import threading
-
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
-                                              ScheduleInterleavedZeroBubble)
-    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
-    schedule = ScheduleInterleavedZeroBubble(ctx["stages"], n_microbatches=ctx["m"],
-                                             loss_fn=nn.MSELoss())
-    expect_error(lambda: distgrad.wrap(schedule, full_model=net), NotImplementedError,
-                 "zero-bubble", heard=False)
-    rank, world = ctx["rank"], ctx["world"]
-    n = 2 * world
-    placements = {  # what this rank runs in each refused placement -> a word of the message
-        "V-shaped": (rank, n - 1 - rank),  # the rank in the middle holds two neighbours
-        "round robin": ((rank + 1) % world, (rank + 1) % world + world),
-        "same number of stages": (rank, rank + world) if rank else (rank,),
-    }
-    for says, mine in placements.items():
-        stages = [PipelineStage(Blocks(net.layers[s:s + 1]), s, n, torch.device("cpu"))
-                  for s in mine]
-        # torch's own multi-stage schedules place stages round robin and check it; these
-        # placements come from a custom schedule (its own action order) on torch's base class
-        schedule = PipelineScheduleMulti(stages, n_microbatches=ctx["m"], loss_fn=nn.MSELoss())
-        before = threading.active_count()
-        expect_error(lambda: distgrad.wrap(schedule, full_model=net), NotImplementedError,
-                     says, heard=False)
-        assert threading.active_count() == before, "wrap left a thread behind"
-    # a pipeline replicated for data parallelism: every rank runs the whole model as stage 0
-    # of a one-stage pipeline of its own
-    groups = [dist.new_group([r]) for r in range(world)]  # (every rank makes every group)
-    whole = PipelineStage(Blocks(net.layers), 0, 1, torch.device("cpu"), group=groups[rank])
-    schedule = Schedule1F1B(whole, n_microbatches=ctx["m"], loss_fn=nn.MSELoss())
-    expect_error(lambda: distgrad.wrap(schedule, full_model=net), NotImplementedError,
-                 "replicated for data parallelism", heard=False)
-
-
 def case_killed(model, net, ctx):
     """The last stage dies (SIGKILL) in its body during the step: the first stage, waiting in
     the schedule or for a value, reports a lost rank within the failure timeout and exits
@@ -501,7 +395,8 @@ def main():
         schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=nn.MSELoss())
     model = distgrad.wrap(schedule, full_model=net)
     ctx = {"rank": rank, "world": world, "m": args.microbatches,
-           "stages": stages if args.schedule in looped else [stage]}
+           "stages": stages if args.schedule in looped else [stage],
+           "batch": batch, "read_edit": case_read_edit}  # (for pp_hygiene's cases)
     # each ends the job's group when it raises, so an error case runs last
     cases = {"all": (case_read_edit, case_read_edit_thread, case_body_without_source,
                      case_nothing_left_behind, case_out_of_order), "failure": (case_failure,),

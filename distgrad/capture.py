@@ -19,7 +19,24 @@ from .errors import NotSavedError
 
 
 class SkipBody(Exception):
-    """Raised on the first line of a captured body so that it does not run in place."""
+    """Raised on the first line of a captured body so that it does not run in place.
+
+    It is raised from a trace function, and CPython answers an exception there by switching
+    tracing off: the thread's trace function and the frame's own. They may be a debugger's or
+    coverage's, so the block's ``__exit__`` puts both back with ``resume_tracing``; otherwise
+    breakpoints and coverage would stop at the first captured body."""
+
+    def __init__(self, frame=None, previous_trace=None, previous_local=None):
+        super().__init__()
+        self.frame, self.previous_trace, self.previous_local = frame, previous_trace, previous_local
+
+
+def resume_tracing(skipped: SkipBody) -> None:
+    """Reinstall the trace functions that raising ``skipped`` switched off, if there were any."""
+    if skipped.previous_trace is not None:
+        sys.settrace(skipped.previous_trace)
+        skipped.frame.f_trace = skipped.previous_local
+    skipped.frame = None  # no cycle through the traceback's frames
 
 
 _trees: dict = {}
@@ -117,9 +134,7 @@ def skip(frame, line: int | None) -> None:
 
     def on_line(fr, event, arg):
         if event == "line" and fr.f_lineno == line:
-            sys.settrace(previous_global)
-            fr.f_trace = previous_local
-            raise SkipBody()
+            raise SkipBody(fr, previous_global, previous_local)
         return on_line
 
     if previous_global is None:

@@ -45,7 +45,10 @@ class Invoke:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        return exc_type is capture.SkipBody
+        if exc_type is not capture.SkipBody:
+            return False
+        capture.resume_tracing(exc)
+        return True
 
 
 def run_invokes(trace) -> None:

@@ -95,6 +95,7 @@ class Trace:
     def __exit__(self, exc_type, exc, tb):
         skipped = self.captured is not None and exc_type is capture.SkipBody
         if skipped:
+            capture.resume_tracing(exc)
             exc = None  # the body was lifted out to run per microbatch
         error = exc
         try:

@@ -129,3 +129,38 @@ def test_error_in_an_invoke_body_points_at_the_users_line(mlp):
                 model[0].output
                 1 / 0  # the line the traceback must show
     assert any(entry.statement.lines and "1 / 0" in str(entry.statement) for entry in info.traceback)
+
+
+def test_a_debuggers_trace_function_keeps_running_after_an_invoke(mlp):
+    # Invoke bodies are skipped in place by raising from a line trace, and CPython switches a
+    # thread's tracing off when a trace function raises: pdb's breakpoints and coverage would
+    # stop at the first invoke. The trace function installed before must be back, and see lines.
+    import sys
+    model = distgrad.wrap(mlp)
+    here = sys._getframe().f_code
+    lines = []
+
+    def local(frame, event, arg):
+        if event == "line":
+            lines.append(frame.f_lineno)
+        return local
+
+    def debugger(frame, event, arg):
+        return local if frame.f_code is here else None
+
+    before = sys.gettrace()
+    sys.settrace(debugger)
+    sys._getframe().f_trace = local  # as pdb's set_trace does for the frames already running
+    try:
+        x = torch.randn(2, 8)
+        with model.trace() as tr:
+            with tr.invoke(x):
+                out = model.output.save()
+        still_on = sys.gettrace()
+        marker = sys._getframe().f_lineno  # a line the debugger must see
+    finally:
+        sys.settrace(before)
+    assert still_on is debugger
+    assert marker in lines
+    with torch.no_grad():
+        torch.testing.assert_close(out, mlp(x), atol=ATOL, rtol=0)

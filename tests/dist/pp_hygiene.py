@@ -3,6 +3,7 @@ that check wrap's refusals, a body it cannot capture, and the process's footprin
 traces. ``ctx`` carries the job's ``batch()`` and its parity case (``read_edit``)."""
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -71,13 +72,25 @@ def case_nothing_left_behind(model, net, ctx):
 def case_body_without_source(model, net, ctx):
     """A pipeline trace whose source cannot be read (code from a string) raises a RuntimeError
     saying so on every rank, before anything is sent, and leaves nothing open: the next trace
-    runs and gives the numbers of one process."""
+    runs and gives the numbers of one process, and leaves a trace function installed."""
     x, y = ctx["batch"]()
     code = ("with model.trace(x, target=y) as tr:\n"
             "    h = model.layers[1].output.save()\n")
     expect_error(lambda: exec(code, {"model": model, "x": x, "y": y}), RuntimeError,
                  "cannot read the source of <string>, so a pipeline trace's body", heard=False)
-    ctx["read_edit"](model, net, ctx)
+    # A body that can be captured is skipped in place by raising from a line trace, which makes
+    # CPython switch the thread's tracing off: a debugger's or coverage's trace function installed
+    # before the trace must be back after it.
+    def debugger(frame, event, arg):
+        return None
+    before = sys.gettrace()
+    sys.settrace(debugger)
+    try:
+        ctx["read_edit"](model, net, ctx)
+        after = sys.gettrace()
+    finally:
+        sys.settrace(before)
+    assert after is debugger, f"the trace function installed before the trace is now {after!r}"
 
 
 def case_refused(model, net, ctx):

@@ -134,6 +134,9 @@ class PipelineEngine(DistributedEngine):
                 if peer is not None and can[rank] and can[peer]:
                     links[s] = peer
         self.carry_room: dict = {}  # (phase, stage, microbatch) -> a receive buffer with room
+        # (microbatch, forward, stage) -> {rank: batch key}: fixed by the placement, so kept
+        # across traces (PipelineRun._keys)
+        self.batch_keys: dict = {}
         self.names = {id(m): n for n, m in full_model.named_modules()}
         self.my_stages = tuple(mine)
         self.last_stage = num_stages - 1

@@ -13,36 +13,19 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
-import distgrad
 import distgrad.run
 from bytecodes import count
-from distgrad.demo_pp import Blocks, Net
-from pp_steps import pipeline_steps
+from pp_steps import one_process_steps
 
 
 def main() -> int:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=30, help="functions to list per difference")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29534")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
-    net = Net(width=256)
-    stage = PipelineStage(Blocks(net.layers), 0, 1, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=nn.MSELoss())
-    model = distgrad.wrap(schedule, full_model=net)
-    x, y = torch.randn(32, 256), torch.randn(32, 256)
-    steps = pipeline_steps(model, net, x, y, lambda: schedule.step(x, target=y),
-                           owns_layer1=True)
+    net, steps = one_process_steps(256, "29534")
     counts = {}
     for name, step in steps.items():
         for _ in range(3):  # warm: parsed bodies, cached keys, specialised bytecode

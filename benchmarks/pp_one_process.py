@@ -17,38 +17,21 @@ compare the "over raw" columns of runs made in the same minutes.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-import distgrad
-from distgrad.demo_pp import Blocks, Net
-from pp_steps import pipeline_steps
+from pp_steps import one_process_steps
 
 
 def main():
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     parser = argparse.ArgumentParser()
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
-    net = Net(width=args.width)
-    stage = PipelineStage(Blocks(net.layers), 0, 1, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=nn.MSELoss())
-    model = distgrad.wrap(schedule, full_model=net)
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(32, args.width, generator=g), torch.randn(32, args.width, generator=g)
-
-    fns = pipeline_steps(model, net, x, y, lambda: schedule.step(x, target=y), owns_layer1=True)
+    net, fns = one_process_steps(args.width, "29533")
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()

@@ -1,24 +1,23 @@
 """One pipeline trace (see ``pipeline.py``): the schedule's step as the run, one body per
 microbatch as a coroutine of it, values of other stages received at the moments the module text
-of ``pipeline.py`` lists, and the saved names joined across microbatches at the end."""
+of ``pipeline.py`` lists, and the saved names joined across microbatches at the end. What each
+body asks for is served by ``pipeline_requests.py``."""
 from __future__ import annotations
 
 import functools
-import sys
 
 import greenlet
-import torch
 
 from .. import capture
 from ..backward import step_threaded
-from ..errors import OutOfOrderError, TraceStateError
 from ..run import BodyRunners
-from ..session import BODIES, Body, Session, Stop
-from .pipeline import LossPoint, PipelineEngine, moment, joined, only_opens_block
+from ..session import BODIES, Body, Session
+from .pipeline import LossPoint, PipelineEngine, joined
 from .pipeline_messages import _MOST_MICROBATCHES, Messages
+from .pipeline_requests import BodyRequests
 
 
-class PipelineRun:
+class PipelineRun(BodyRequests):
     """One trace: the step as a run, one body per microbatch, remote values delivered."""
 
     def __init__(self, engine: PipelineEngine, trace):
@@ -217,156 +216,6 @@ class PipelineRun:
             body.remote_value = self.messages.take(src, key, tag)
             wake(body)
 
-    # -- what the body asks for ---------------------------------------------------------------
-    def module_value(self, body, envoy, kind: str):
-        engine, session = self.engine, self.session
-        module, path = envoy._module, envoy._path
-        stage = engine.stage_of(module)
-        if stage is None:
-            raise TraceStateError(f"{path}.{kind}: no pipeline stage runs {path} itself (a "
-                                  f"container, or the whole model); name one of its layers.")
-        if body.block is not None or body.loss is not None:
-            raise OutOfOrderError(f"{path}.{kind} was requested after tr.loss; read forward "
-                                  f"values before tr.loss and `with tr.loss.backward():`.")
-        self._in_order(body, stage, True, path, "." + kind)
-        body.seq += 1
-        tag = body.index * 100_000 + body.seq
-        if stage not in self.mine:
-            src = engine.rank_of_stage[stage]
-            event = moment(self.mine, stage, body.index, True)
-            value = self._wait_remote(body, event, src, tag)
-            self.stage_of[id(value)] = (value, stage)
-            if event[0] == "F" and value.requires_grad:  # a value of an earlier stage
-                self._note_reach(value, f"{path}.{kind}", stage, body.index)
-            return Stop(("remote", tag), value, None, kind, 0, None)
-        if ("F-end", stage, body.index) in self.fired:
-            raise OutOfOrderError(_passed(path, kind))
-        module = engine.local[id(module)]
-        point = session.points.get((id(module), kind))
-        if point is None:
-            point = session.module_point(module, path, kind)
-            for outer in envoy._ancestors():
-                if engine.owns(outer._module):
-                    session.module_point(engine.local[id(outer._module)], outer._path, "output")
-        body.passed_at = ("F-end", stage, body.index)
-        try:
-            stop = session.request(body, (point, body.index), lambda: _passed(path, kind))
-        finally:
-            body.passed_at = None
-        if len(self.mine) > 1:  # (with one stage, grad() finds it without this entry)
-            self.stage_of[id(stop.view)] = (stop.view, stage)
-            if isinstance(stop.view, torch.Tensor) and stop.view.requires_grad:
-                # another stage of this rank may use it in an edit
-                self._note_reach(stop.view, f"{path}.{kind}", stage, body.index)
-        self._send(stop.view, tag, body.index, True, stage)
-        return stop
-
-    def loss(self, body):
-        engine = self.engine
-        body.seq += 1
-        tag = body.index * 100_000 + body.seq
-        # read as `with tr.loss.backward():` (frame 2: the body) the value reaches nothing the
-        # body can see: the block opens on a stand-in (the schedule runs the real backward)
-        if only_opens_block(sys._getframe(2)):  # every rank: none waits, none sends
-            value = _STAND_IN
-        elif engine.last_stage not in self.mine:
-            last = engine.last_stage
-            event = moment(self.mine, last, body.index, True)
-            value = self._wait_remote(body, event, engine.rank_of_stage[last], tag)
-        else:
-            if ("B", engine.last_stage, body.index) in self.fired:
-                raise OutOfOrderError(_LATE_LOSS)
-            body.passed_at = ("B", engine.last_stage, body.index)
-            try:
-                stop = self.session.request(body, (self.loss_point, body.index),
-                                            lambda: _LATE_LOSS)
-            finally:
-                body.passed_at = None
-            value = stop.view
-            self._send(value, tag, body.index, True, engine.last_stage)
-        body.loss = value
-        return value
-
-    def backward_block(self, body, block) -> None:
-        if block.tensor is not body.loss:
-            raise TraceStateError("in a pipeline trace the schedule runs the backward of its own "
-                                  "loss: open the block with `with tr.loss.backward():`.")
-        body.block = block
-
-    def grad(self, body, tensor):
-        engine, session = self.engine, self.session
-        entry = self.stage_of.get(id(tensor))
-        if entry is not None and entry[0] is tensor:
-            stage = entry[1]
-        else:  # a tensor the body made: the latest stage of this rank it read values of
-            stage = max((s for s in self.mine if s <= body.last_stage), default=self.mine[0])
-        self._in_order(body, stage, False, tensor, ".grad")
-        body.seq += 1
-        tag = body.index * 100_000 + body.seq
-        if stage not in self.mine:
-            event = moment(self.mine, stage, body.index, False)
-            value = self._wait_remote(body, event, engine.rank_of_stage[stage], tag)
-            # the body is "at" this gradient now, as its owner is: `t.grad = t.grad * 2` reads
-            # and writes this one stop on every rank alike
-            body.stop = Stop(("remote", tag), value, None, "grad", 0, None, tensor)
-            return body.stop
-        if not tensor.requires_grad:
-            raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
-                             f"it does not require grad.")
-        point = session.grad_point(tensor)
-        stop = session.request(body, (point, point.calls), lambda: (
-            f"{body.label_of(tensor)}.grad was requested after this stage's backward had passed "
-            f"it; request gradients in reverse-forward order."), tensor=tensor)
-        self._send(stop.view, tag, body.index, False, stage)
-        return stop
-
-    def _send(self, value, tag: int, microbatch: int, forward: bool, stage: int) -> None:
-        """Queue a value of this rank's ``stage`` for every other rank, in the batch of the
-        moment that rank takes it (the module text of ``pipeline.py``)."""
-        self.messages.send(value, tag, self._keys(microbatch, forward, stage))
-
-    def _keys(self, microbatch: int, forward: bool, stage: int) -> dict:
-        """``{rank: the batch key}`` of a forward value (or gradient) of ``stage``."""
-        keys = self.batch_keys.get((microbatch, forward, stage))
-        if keys is None:  # the same for every value of this microbatch, direction and stage
-            keys = self.batch_keys[(microbatch, forward, stage)] = {
-                dst: moment(theirs, stage, microbatch, forward) for dst, theirs in self.others}
-        return keys
-
-    def _in_order(self, body, stage: int, forward: bool, named, kind: str) -> None:
-        """``named``: the module path, or the tensor whose label words the error."""
-        last = body.last_stage
-        if forward and stage < last or not forward and body.block is not None and \
-                getattr(body, "grad_stage", None) is not None and stage > body.grad_stage:
-            what = (named if isinstance(named, str) else body.label_of(named)) + kind
-            raise OutOfOrderError(
-                f"{what} was requested after a value of stage {last if forward else body.grad_stage}; "
-                f"in a pipeline, forward values come stage by stage (0 first) and gradients in "
-                f"reverse (last stage first).")
-        if forward:
-            body.last_stage = stage
-        else:
-            body.grad_stage = stage
-
-    # -- waiting for a value from another stage -------------------------------------------------
-    def _wait_remote(self, body, event, src: int, tag: int):
-        self.messages.want(src, tag)
-        self.messages.expect(src, event)  # posted now, it arrives while the body waits
-        if event in self.fired:
-            return self.messages.take(src, event, tag)
-        self.waiting.setdefault(event, []).append((body, src, tag))
-        body.pending = ("remote", tag)
-        body.remote_value = None
-        try:
-            body.scheduler.switch()
-        finally:
-            body.pending = None
-        if body.remote_value is None:
-            raise TraceStateError(f"the pipeline step ended before rank {src} sent a value this "
-                                  f"body asked for (microbatch {body.index}).")
-        value, body.remote_value = body.remote_value, None
-        return value
-
 
 class _Chunk:
     """``with _Chunk(run, phase, stage, microbatch):`` around one chunk of the schedule (what
@@ -393,13 +242,3 @@ class _Phase(str):
 
 
 _PHASES = {p: _Phase(p) for p in ("F", "B", "F-end")}
-# What `with tr.loss.backward():` opens its block on when the body cannot see the loss: one
-# tensor for every body (nothing reads, edits or backpropagates it).
-_STAND_IN = torch.zeros((), requires_grad=True)
-_LATE_LOSS = ("tr.loss was requested after the last stage had started the microbatch's backward; "
-              "read tr.loss once, after the forward values and before the backward block.")
-
-
-def _passed(path, kind):
-    return (f"{path}.{kind} was requested after this stage had run it for the microbatch; read "
-            f"module values in forward order.")

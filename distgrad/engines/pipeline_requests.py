@@ -47,11 +47,8 @@ class BodyRequests:
             for outer in envoy._ancestors():
                 if engine.owns(outer._module):
                     session.module_point(engine.local[id(outer._module)], outer._path, "output")
-        body.passed_at = ("F-end", stage, body.index)
-        try:
-            stop = session.request(body, (point, body.index), lambda: _passed(path, kind))
-        finally:
-            body.passed_at = None
+        stop = self._request_local(body, (point, body.index), ("F-end", stage, body.index),
+                                   lambda: _passed(path, kind))
         if len(self.mine) > 1:  # (with one stage, grad() finds it without this entry)
             self.stage_of[id(stop.view)] = (stop.view, stage)
             if isinstance(stop.view, torch.Tensor) and stop.view.requires_grad:
@@ -75,12 +72,8 @@ class BodyRequests:
         else:
             if ("B", engine.last_stage, body.index) in self.fired:
                 raise OutOfOrderError(_LATE_LOSS)
-            body.passed_at = ("B", engine.last_stage, body.index)
-            try:
-                stop = self.session.request(body, (self.loss_point, body.index),
-                                            lambda: _LATE_LOSS)
-            finally:
-                body.passed_at = None
+            stop = self._request_local(body, (self.loss_point, body.index),
+                                       ("B", engine.last_stage, body.index), lambda: _LATE_LOSS)
             value = stop.view
             self._send(value, tag, body.index, True, engine.last_stage)
         body.loss = value
@@ -119,6 +112,16 @@ class BodyRequests:
         self._send(stop.view, tag, body.index, False, stage)
         return stop
 
+    def _request_local(self, body, key, passed_at, passed_message):
+        """A forward value (or loss) of this rank's stage: the session's request, with the
+        event after which it has passed marked on the body while it waits (the scheduler's
+        marks read it; a stale mark would wake the body at the wrong event later)."""
+        body.passed_at = passed_at
+        try:
+            return self.session.request(body, key, passed_message)
+        finally:
+            body.passed_at = None
+
     def _send(self, value, tag: int, microbatch: int, forward: bool, stage: int) -> None:
         """Queue a value of this rank's ``stage`` for every other rank, in the batch of the
         moment that rank takes it (the module text of ``pipeline.py``)."""
@@ -126,9 +129,10 @@ class BodyRequests:
 
     def _keys(self, microbatch: int, forward: bool, stage: int) -> dict:
         """``{rank: the batch key}`` of a forward value (or gradient) of ``stage``."""
-        keys = self.batch_keys.get((microbatch, forward, stage))
+        kept = self.engine.batch_keys  # fixed by the placement: kept across traces
+        keys = kept.get((microbatch, forward, stage))
         if keys is None:  # the same for every value of this microbatch, direction and stage
-            keys = self.batch_keys[(microbatch, forward, stage)] = {
+            keys = kept[(microbatch, forward, stage)] = {
                 dst: moment(theirs, stage, microbatch, forward) for dst, theirs in self.others}
         return keys
 

@@ -33,7 +33,6 @@ class PipelineRun(BodyRequests):
         self.mine = engine.my_stages
         self.others = [(r, stages) for r, stages in engine.stages_of_rank.items()
                        if r != engine._job_rank]
-        self.batch_keys = engine.batch_keys  # see _keys
         self.session = None
 
     # -- the trace --------------------------------------------------------------------------

@@ -90,6 +90,15 @@ def traced_edit(model, x, k):
     return gs[::-1]
 
 
+def greenlet_edit(model, x, k):
+    """traced_edit with the body run in place, as before the generator path (config.body_mode)."""
+    distgrad.config.body_mode = "greenlet"
+    try:
+        return traced_edit(model, x, k)
+    finally:
+        distgrad.config.body_mode = "auto"
+
+
 def _add_hook(hooks: dict, fn) -> int:
     """An entry in one of PyTorch's hook dicts, as ``register_*_hook`` makes it."""
     hid = RemovableHandle.next_id
@@ -275,7 +284,8 @@ def main() -> int:
     print(f"numerics floor, generator and no-coroutine vs raw hooks: "
           f"{'OK' if floor_ok else 'MISMATCH'}")
 
-    results = {"distgrad": [], "floor": [], "generator": [], "no coroutine": []}
+    results = {"distgrad": [], "greenlet bodies": [], "floor": [], "generator": [],
+               "no coroutine": []}
     for _ in range(a.repeats):
         variants = {}
         for prog, raw, traced in (("read", raw_read, traced_read), ("read+edit", raw_edit, traced_edit)):
@@ -283,11 +293,13 @@ def main() -> int:
                 variants[(f"raw {prog}", k)] = (raw, net, (net, x, k))
                 variants[(f"distgrad {prog}", k)] = (traced, net, (libs["distgrad"], x, k))
         for k in (0, n):
+            variants[("greenlet bodies read+edit", k)] = (greenlet_edit, net,
+                                                          (libs["distgrad"], x, k))
             variants[("floor read+edit", k)] = (floor_edit, net, (net, x, k))
             variants[("generator read+edit", k)] = (generator_edit, net, (net, x, k))
             variants[("no coroutine read+edit", k)] = (nocoroutine_edit, net, (net, x, k))
         found = per_layer(bench(variants, a.steps, rounds=10, warmup=10, stat=None), n)
-        for lib in ("distgrad", "floor", "generator", "no coroutine"):
+        for lib in ("distgrad", "greenlet bodies", "floor", "generator", "no coroutine"):
             results[lib].append(found)
 
     if not a.no_nnsight:
@@ -317,7 +329,8 @@ def main() -> int:
     print("| library | program | raw hooks us (median) | library us (median) | overhead us (median) "
           "| overhead us (min) |\n|---|---|---:|---:|---:|---:|")
     for lib, runs in results.items():
-        for prog in (("read+edit",) if lib in ("floor", "generator", "no coroutine")
+        for prog in (("read+edit",) if lib in ("greenlet bodies", "floor", "generator",
+                                                "no coroutine")
                      else ("read", "read+edit")):
             raw = statistics.median(r["median"][f"raw {prog}"] for r in runs)
             own = statistics.median(r["median"][f"{lib} {prog}"] for r in runs)
@@ -325,7 +338,10 @@ def main() -> int:
                                            for r in runs) for est in ESTIMATORS}
             print(f"| {lib} | {prog} | {raw:.1f} | {own:.1f} | {over['median']:.1f} "
                   f"| {over['min']:.1f} |")
-    print("\n(floor: floor_edit, the leanest greenlet coroutine read+edit; generator: the same "
+    print("\n(distgrad: the body runs as a generator the hooks resume, the default; greenlet "
+          "bodies: the same with distgrad.config.body_mode = 'greenlet', the body in place and "
+          "the run in a greenlet.)")
+    print("(floor: floor_edit, the leanest greenlet coroutine read+edit; generator: the same "
           "body as a generator the hooks resume; no coroutine: its bookkeeping without the "
           "coroutine; all timed with distgrad.)")
     return 0 if ok and floor_ok else 1

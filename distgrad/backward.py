@@ -20,8 +20,9 @@ from .errors import TraceStateError
 from .points import GradPoint
 from .session import _UNSET, BODIES, Body, Session, current_body
 
-config = types.SimpleNamespace(backward_mode="auto", failure_timeout=10.0)
-"""``backward_mode``: ``"auto"`` (greenlet for a CPU backward, a worker thread when CUDA is in use),
+config = types.SimpleNamespace(backward_mode="auto", failure_timeout=10.0, body_mode="auto")
+"""``body_mode``: ``"auto"`` (a trace body that qualifies runs as a generator resumed by the
+run's hooks; see generator_body.py) or ``"greenlet"`` (every body runs in place). ``backward_mode``: ``"auto"`` (greenlet for a CPU backward, a worker thread when CUDA is in use),
 ``"greenlet"`` or ``"thread"``. ``failure_timeout``: seconds a rank whose collective broke waits
 for the failing rank's message before reporting that a peer was lost."""
 
@@ -84,8 +85,13 @@ class BackwardTracer:
                     body.block = self
                     return self
                 body.trace.finish_forward()
-            self.session = Session("backward", self._run, [body], threaded=_threaded(self.tensor),
-                                   views=getattr(self.backend, "views", None))
+            if body.driver is not None:  # a body run as a generator (generator_run.py)
+                from .generator_run import GeneratorSession
+                self.session = GeneratorSession("backward", self._run, [body], body.driver)
+            else:
+                self.session = Session("backward", self._run, [body],
+                                       threaded=_threaded(self.tensor),
+                                       views=getattr(self.backend, "views", None))
         except BaseException:
             self._leave()
             raise

@@ -83,6 +83,21 @@ def capture(frame, what: tuple = INVOKE_BODY) -> tuple:
     return found
 
 
+def source_lines(frame) -> list:
+    """The lines of ``frame``'s file as linecache holds them (the same list while unchanged)."""
+    return linecache.getlines(frame.f_code.co_filename, frame.f_globals)
+
+
+def find_with(frame, lines: list):
+    """The ``with`` statement that ``frame`` is entering, parsed from ``lines``, or None."""
+    filename = frame.f_code.co_filename
+    source = "".join(lines)
+    tree = _trees.get(filename)
+    if tree is None or tree[0] != source:
+        tree = _trees[filename] = (source, ast.parse(source, filename))
+    return _innermost_with(tree[1], frame.f_lineno)
+
+
 def _first_real_line(body) -> int | None:
     """Line of the first statement that does something. ``pass`` and bare constants compile to
     NOPs that no exception handler covers, so the skip must fire on a later line; a body of

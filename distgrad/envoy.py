@@ -12,6 +12,7 @@ import greenlet
 import torch
 
 from .errors import TraceStateError
+from .paused import PAUSE_STOP, PAUSED
 from .session import _UNSET, BODIES, current_body
 
 _getcurrent = greenlet.getcurrent
@@ -167,6 +168,8 @@ class Envoy:
     def input(self):
         """The first positional argument (or, for a call with keywords only, the first keyword's value)."""
         body, stop = self._stop("input")
+        if stop is PAUSE_STOP:  # a generator body waits for the run (generator_run.py)
+            return PAUSED
         args, kwargs = stop.replacement if stop.replacement is not _UNSET else stop.view
         value = _first(args, kwargs, self._path)
         body.remember(value, self._path, ".input")

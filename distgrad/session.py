@@ -40,6 +40,7 @@ class Body:
         self.asked = (rows, None, False)
         self.stop = None            # Stop: where the run is paused for this body
         self.block = None           # the open BackwardTracer, if any
+        self.driver = None          # GeneratorDriver while the body runs as a generator
         self.saves: list = []
         self.labels: dict = {}      # id(tensor) -> (tensor, "model.x.output") for messages
 

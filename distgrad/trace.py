@@ -11,7 +11,8 @@ import sys
 import greenlet
 import torch
 
-from . import batching, capture, engines
+from . import batching, capture, engines, generator_body
+from .backward import config
 from .envoy import Envoy
 from .errors import OutOfOrderError, TraceStateError
 from .session import _UNSET, BODIES, Body, Session, current_body
@@ -72,6 +73,7 @@ class Trace:
         self.slices: dict = {}
         self.captured = None   # (code, names, frame): a body the engine runs per microbatch
         self.pipeline = None   # the engine's per-microbatch run while it runs
+        self.generator = None  # (Plan, frame): a body run as a generator (generator_body.py)
 
     # -- the with-block -------------------------------------------------------------------
     def __enter__(self) -> "Trace":
@@ -86,22 +88,33 @@ class Trace:
             frame = sys._getframe(1)
             code, names, first_line = capture.capture(frame, capture.PIPELINE_BODY)
             self.captured = (code, names, frame)
+        elif self.engine.generator_bodies and _generator_bodies(self):
+            frame = sys._getframe(1)
+            plan = generator_body.plan_for(frame)
+            if plan is not None and plan.allowed(frame.f_locals, frame):
+                self.generator = (plan, frame)
+                first_line = plan.first_line
         BODIES[self._glet] = self.body
         self.engine.begin_trace()
         if self.captured is not None:
             capture.skip(self.captured[2], first_line)
+        elif self.generator is not None:
+            capture.skip(self.generator[1], first_line)
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        skipped = self.captured is not None and exc_type is capture.SkipBody
+        skipped = exc_type is capture.SkipBody and (self.captured is not None
+                                                    or self.generator is not None)
         if skipped:
             capture.resume_tracing(exc)
-            exc = None  # the body was lifted out to run per microbatch
+            exc = None  # the body was lifted out, to run per microbatch or as a generator
         error = exc
         try:
             if exc is None:
                 if self.captured is not None:
                     self.engine.run_captured(self, *self.captured)
+                elif self.generator is not None:
+                    self._run_generator()
                 elif self.invokes:
                     from .invoke import run_invokes
                     run_invokes(self)
@@ -120,6 +133,21 @@ class Trace:
             if instead is not None:
                 raise instead from error
         return skipped
+
+    def _run_generator(self) -> None:
+        """Run the skipped body as a generator (generator_run.py), then give its names back."""
+        from .generator_run import PAUSED, GeneratorDriver
+        plan, frame = self.generator
+        driver = GeneratorDriver(self.body)
+        gen, out = generator_body.start(plan, frame, frame.f_locals, driver, PAUSED)
+        driver.attach(gen)
+        self.body.driver = driver
+        try:
+            driver.drive()
+        finally:
+            self.body.driver = None
+            capture.write_back(frame, {name: out[name] for name in plan.names if name in out})
+        self.finish_forward()
 
     def invoke(self, *args, **kwargs):
         """One input of a batched trace; see docs/concepts.rst ("Invokes")."""
@@ -175,6 +203,10 @@ class Trace:
                                   "`with tracer.invoke(...):` blocks.")
         call = self.engine.generate if self.method == "generate" else self.engine.forward
         size = batching.batch_size(args, kwargs) if bodies[0].rows is not None else 0
+        if bodies[0].driver is not None:  # a body run as a generator
+            from .generator_run import GeneratorSession
+            return GeneratorSession("forward", lambda: call(args, kwargs), bodies,
+                                    bodies[0].driver)
         return Session("forward", lambda: call(args, kwargs), bodies, size=size,
                        views=self.engine.views)
 
@@ -245,6 +277,19 @@ class Trace:
                 session.module_point(outer._module, outer._path, "output")
             outer = outer._parent
         return point
+
+
+def _generator_bodies(trace: Trace) -> bool:
+    """Whether this trace may run its body as a generator: a forward with inputs, with every
+    hook on this thread (no accelerator), unless the user asked for bodies in place."""
+    mode = config.body_mode
+    if mode != "auto":
+        if mode != "greenlet":
+            raise ValueError(f"distgrad.config.body_mode must be 'auto' or 'greenlet', not "
+                             f"{mode!r}.")
+        return False
+    return (trace.method == "forward" and bool(trace.raw_inputs[0] or trace.raw_inputs[1])
+            and config.backward_mode != "thread" and not torch.cuda.is_initialized())
 
 
 def _plain_path(envoy: Envoy) -> str:

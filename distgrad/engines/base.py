@@ -24,6 +24,9 @@ class Engine:
     # How hook values are shown to the body: None shows them as they are. Tensor parallelism
     # sets a ``TensorParallelViews`` (whole values in, shards out); see tensor_parallel.py.
     views = None
+    # Whether a trace body may run as a generator resumed by the run's hooks (the core's fast
+    # path, generator_run.py): only where the forward and backward are plain calls on one thread.
+    generator_bodies = False
 
     def __init__(self, wrapped: Any):
         self.wrapped = wrapped

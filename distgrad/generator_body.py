@@ -1,0 +1,480 @@
+"""Which trace bodies run as generators, and the rewrite that makes them one.
+
+A body qualifies when every place it could ask for a value is in the with-block itself, where a
+``yield`` can stand (see ``generator_run.py`` for why that is faster). The survey below refuses,
+and the body then runs in place as before, when it:
+
+* calls a function that could read ``.output`` or ``.grad`` itself: a function bound in the body,
+  or one that does not come from Python, torch, NumPy or distgrad (checked on each trace, against
+  what the names hold then); a method whose name no tensor, list, dict, set or str has;
+* reads a value inside a lambda, a nested function or class, or a comprehension other than a
+  list comprehension that is a whole statement (``acts = [m[i].output for i in range(k)]``
+  becomes a loop);
+* returns, yields, awaits, breaks out of the body, declares ``global`` / ``nonlocal``, or uses
+  ``getattr`` / ``locals`` / ``exec`` and the like, or a private ``__name`` (name mangling);
+* sits in a class body, or has no source distgrad can read.
+
+The rewrite: ``X.output`` (and ``.grad``) becomes ``(v if (v := X.output) is not PAUSED else
+(yield v))``; ``.input`` / ``.inputs`` are read again after the pause; an assignment
+``X.output = e`` first makes sure the run is at ``X``; ``with t.backward():`` leaves the forward
+before it opens and the backward at its end. The code keeps the file name and line numbers, so
+tracebacks and debuggers show the user's own lines.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import functools
+import types
+
+import torch
+
+from . import capture
+
+REQUESTS = frozenset(("output", "input", "inputs", "grad"))
+_SAFE_METHODS = frozenset({"save"}).union(*(dir(t) for t in (torch.Tensor, list, dict, set,
+                                                             tuple, str)))
+_UNSAFE_NAMES = frozenset(("getattr", "setattr", "hasattr", "delattr", "locals", "vars",
+                           "globals", "exec", "eval", "super", "dir", "__import__", "compile"))
+_TRUSTED = frozenset(("torch", "distgrad", "builtins", "math", "operator", "functools",
+                      "itertools", "collections", "statistics", "numpy", "copy", "random",
+                      "einops", "typing"))
+_NESTED = (ast.Lambda, ast.FunctionDef, ast.ClassDef, ast.GeneratorExp, ast.SetComp,
+           ast.DictComp, ast.ListComp)
+_REFUSED = {ast.Return: "return", ast.Yield: "yield", ast.YieldFrom: "yield from",
+            ast.Await: "await", ast.Global: "global", ast.Nonlocal: "nonlocal",
+            ast.AsyncFor: "async for", ast.AsyncWith: "async with",
+            ast.AsyncFunctionDef: "async def", ast.AnnAssign: "an annotated assignment"}
+_BUILTIN_KINDS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.MethodDescriptorType,
+                  types.WrapperDescriptorType, types.MethodWrapperType,
+                  types.ClassMethodDescriptorType)
+_ARGS = ("_dg_out", "_dg_ns", "_dg_P", "_dg_leave", "_dg_ready")
+
+
+class Plan:
+    """A body compiled as a generator function, and what to check before each run of it."""
+
+    __slots__ = ("code", "names", "params", "first_line", "checks")
+
+    def __init__(self, code, names, params, first_line, checks):
+        self.code = code              # the generator function's code
+        self.names = names            # names the body binds: written back afterwards
+        self.params = params          # the frame's own locals the body uses
+        self.first_line = first_line  # where the body is skipped in place
+        self.checks = checks          # ((name, attrs), ...) callables to look at per trace
+
+    def allowed(self, namespace: dict, frame) -> bool:
+        """Whether the callables the body names are, this time, ones that cannot ask for values."""
+        for root, attrs in self.checks:
+            obj = namespace.get(root, _MISSING)
+            if obj is _MISSING:
+                obj = frame.f_globals.get(root, _MISSING)
+                if obj is _MISSING:
+                    obj = getattr(builtins, root, None)
+            try:
+                for attr in attrs:
+                    obj = getattr(obj, attr)
+            except Exception:
+                return False
+            if not _callable_ok(obj):
+                return False
+        return True
+
+
+_MISSING = object()
+_plans: dict = {}  # (code object, line) -> (source lines, Plan or None)
+
+
+def plan_for(frame) -> Plan | None:
+    """The generator plan for the body of the ``with`` that ``frame`` is entering, or None
+    when it must run in place. Parsed and compiled once per site and source."""
+    key = (frame.f_code, frame.f_lineno)
+    known = _plans.get(key)
+    lines = capture.source_lines(frame)
+    if known is not None and known[0] is lines:
+        return known[1]
+    plan = None
+    in_class = not frame.f_code.co_flags & 0x02 and frame.f_locals is not frame.f_globals
+    if lines and not in_class:
+        try:
+            node = capture.find_with(frame, lines)
+        except (SyntaxError, ValueError):
+            node = None
+        if node is not None and node.body[0].lineno > max(item.context_expr.end_lineno
+                                                          for item in node.items):
+            plan = _make_plan(frame, node)
+    _plans[key] = (lines, plan)
+    return plan
+
+
+def _make_plan(frame, node) -> Plan | None:
+    first = capture._first_real_line(node.body)
+    names = capture._bound_names(node.body)
+    survey = _Survey(set(names), {n.name for n in ast.walk(node) if isinstance(
+        n, (ast.FunctionDef, ast.ClassDef))})
+    for stmt in node.body:
+        survey.visit(stmt)
+    if survey.reason is not None or not survey.requests or first is None:
+        return None
+    used = {n.id for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
+    code = frame.f_code
+    if code.co_flags & 0x02:  # a function: its own locals the body uses, bound or read
+        own = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
+        params = tuple(sorted(used & own))
+    else:  # a module: the globals the body binds (a read of one before it binds it still works)
+        params = tuple(sorted(used & set(names)))
+    body = [_Rewrite().visit(stmt) for stmt in node.body]
+    body = [s for stmt in body for s in (stmt if isinstance(stmt, list) else [stmt])]
+    fn_code = _compile(frame, node, params, body)
+    return Plan(fn_code, tuple(names), params, first, tuple(survey.checks))
+
+
+def _compile(frame, node, params, body):
+    line = node.body[0]
+    prologue = [_at(ast.If(test=ast.Compare(ast.Constant(p), [ast.In()], [_name("_dg_ns")]),
+                           body=[ast.Assign([_name(p, ast.Store())],
+                                            ast.Subscript(_name("_dg_ns"), ast.Constant(p),
+                                                          ast.Load()))],
+                           orelse=[]), line) for p in params]
+    keep = _at(ast.Expr(ast.Call(ast.Attribute(_name("_dg_out"), "update", ast.Load()),
+                                 [ast.Call(_name("locals"), [], [])], [])), node.body[-1])
+    guarded = _at(ast.Try(body=body, handlers=[], orelse=[], finalbody=[keep]), line)
+    name = frame.f_code.co_name
+    fields = dict(name=name if name.isidentifier() else "trace_body",
+                  args=ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in _ARGS],
+                                     kwonlyargs=[], kw_defaults=[], defaults=[]),
+                  body=prologue + [guarded], decorator_list=[], returns=None)
+    if "type_params" in ast.FunctionDef._fields:
+        fields["type_params"] = []
+    fn = _at(ast.FunctionDef(**fields), line)
+    module = ast.Module(body=[fn], type_ignores=[])
+    ast.fix_missing_locations(module)
+    compiled = compile(module, frame.f_code.co_filename, "exec")
+    return next(c for c in compiled.co_consts if isinstance(c, types.CodeType))
+
+
+def start(plan: Plan, frame, namespace: dict, driver, paused):
+    """A new generator of ``plan``'s body, with the frame's globals and its locals' values."""
+    fn = types.FunctionType(plan.code, frame.f_globals)
+    out: dict = {}
+    return fn(out, namespace, paused, driver.leave, driver.ready), out
+
+
+# -- the survey ----------------------------------------------------------------------------
+def _callable_ok(obj) -> bool:
+    """A callable that cannot read values from the trace (builtins, torch, distgrad, ...)."""
+    if isinstance(obj, _BUILTIN_KINDS):
+        return getattr(obj, "__name__", None) not in _UNSAFE_NAMES
+    if isinstance(obj, types.MethodType):
+        return _callable_ok(obj.__func__)
+    if isinstance(obj, functools.partial):
+        return _callable_ok(obj.func)
+    if isinstance(obj, type) and issubclass(obj, BaseException):
+        return True  # `raise Error(...)`: an exception's constructor reads no values
+    if isinstance(obj, (type, types.FunctionType)):
+        from .backward import BackwardTracer
+        module = getattr(obj, "__module__", None) or ""
+        return obj is not BackwardTracer and module.split(".")[0] in _TRUSTED
+    if isinstance(obj, torch.nn.Module):
+        return True
+    from .envoy import Envoy
+    return isinstance(obj, Envoy) or not callable(obj)
+
+
+def _chain(node):
+    """``a.b.c`` as ("a", ("b", "c")), or None when it is not names and attributes only."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return (node.id, tuple(reversed(attrs))) if isinstance(node, ast.Name) else None
+
+
+def _has_request(node) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr in REQUESTS for n in ast.walk(node))
+
+
+def _is_backward(item) -> bool:
+    call = item.context_expr
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "backward")
+
+
+class _Survey(ast.NodeVisitor):
+    def __init__(self, bound: set, defined: set):
+        self.bound = bound        # names the body binds: what they hold is not known yet
+        self.defined = defined    # functions and classes the body defines
+        self.reason = None
+        self.requests = False
+        self.checks: list = []
+        self.nested = 0
+        self.loops = 0
+
+    def refuse(self, why: str) -> None:
+        if self.reason is None:
+            self.reason = why
+
+    def generic_visit(self, node):
+        refused = _REFUSED.get(type(node))
+        if refused is not None:
+            self.refuse(refused)
+        super().generic_visit(node)
+
+    def _scope(self, node):
+        self.nested += 1
+        loops, self.loops = self.loops, 0
+        self.generic_visit(node)
+        self.nested -= 1
+        self.loops = loops
+
+    visit_Lambda = visit_FunctionDef = visit_ClassDef = visit_GeneratorExp = _scope
+    visit_SetComp = visit_DictComp = visit_ListComp = _scope
+
+    def _loop(self, node):
+        for field in ("target", "iter", "test"):
+            if getattr(node, field, None) is not None:
+                self.visit(getattr(node, field))
+        self.loops += 1
+        for stmt in node.body:
+            self.visit(stmt)
+        self.loops -= 1
+        for stmt in node.orelse:
+            self.visit(stmt)
+
+    visit_For = visit_While = _loop
+
+    def visit_Break(self, node):
+        if not self.loops:
+            self.refuse("break out of the body")
+
+    visit_Continue = visit_Break
+
+    def visit_Name(self, node):
+        self._identifier(node.id)
+
+    def _identifier(self, name: str) -> None:
+        if name.startswith("_dg_") or (name.startswith("__") and not name.endswith("__")):
+            self.refuse(f"the name {name}")
+
+    def visit_Attribute(self, node):
+        self._identifier(node.attr)
+        if node.attr in REQUESTS:
+            self.requests = True
+            if self.nested:
+                self.refuse("a value read inside a nested scope")
+            if not isinstance(node.ctx, ast.Load):
+                self.refuse("an assignment to a value that is not a whole statement")
+        self.visit(node.value)
+
+    def _expandable(self, comp) -> bool:
+        return (isinstance(comp, ast.ListComp) and not self.nested and _has_request(comp)
+                and not any(g.is_async for g in comp.generators)
+                and not any(isinstance(n, _NESTED) for n in ast.walk(comp) if n is not comp))
+
+    def _comprehension(self, comp):
+        for gen in comp.generators:
+            self.visit(gen.target)
+            self.visit(gen.iter)
+            for cond in gen.ifs:
+                self.visit(cond)
+        self.visit(comp.elt)
+
+    def visit_Assign(self, node):
+        target = node.targets[0]
+        if (len(node.targets) == 1 and isinstance(target, ast.Attribute)
+                and target.attr in REQUESTS and not self.nested):
+            self.requests = True
+            self.visit(target.value)
+            self.visit(node.value)
+        elif self._expandable(node.value):
+            for target in node.targets:
+                self.visit(target)
+            self._comprehension(node.value)
+        else:
+            self.generic_visit(node)
+
+    def visit_Expr(self, node):
+        if self._expandable(node.value):
+            self._comprehension(node.value)
+        else:
+            self.generic_visit(node)
+
+    def visit_AugAssign(self, node):
+        target = node.target
+        if isinstance(target, ast.Attribute) and target.attr in REQUESTS and not self.nested:
+            self.requests = True
+            self.visit(target.value)
+            self.visit(node.value)
+        else:
+            self.generic_visit(node)
+
+    def visit_With(self, node):
+        if any(_is_backward(item) for item in node.items):
+            item = node.items[0]
+            call = item.context_expr
+            if len(node.items) != 1 or self.nested:
+                self.refuse("a backward block with other context managers")
+            if any(_has_request(a) for a in call.args + [k.value for k in call.keywords]):
+                self.refuse("a value read in the arguments of .backward()")
+            self.visit(call.func.value)
+            for arg in call.args + [k.value for k in call.keywords]:
+                self.visit(arg)
+            if item.optional_vars is not None:
+                self.visit(item.optional_vars)
+            for stmt in node.body:
+                self.visit(stmt)
+        else:
+            self.generic_visit(node)
+
+    def visit_Call(self, node):
+        func = node.func
+        if isinstance(func, ast.Name):
+            if func.id in _UNSAFE_NAMES or func.id in self.bound:
+                self.refuse(f"a call of {func.id}")
+            else:
+                self.checks.append((func.id, ()))
+        elif isinstance(func, ast.Attribute):
+            chain = _chain(func)
+            if (chain is not None and chain[0] not in self.bound
+                    and not REQUESTS.intersection(chain[1])):
+                self.checks.append(chain)
+            elif func.attr not in _SAFE_METHODS:
+                self.refuse(f"a call of .{func.attr}()")
+        else:
+            self.refuse("a call of a computed callable")
+        for arg in node.args + [k.value for k in node.keywords]:
+            if isinstance(arg, ast.Starred):
+                arg = arg.value
+            if isinstance(arg, ast.Name):
+                if arg.id in self.defined:
+                    self.refuse(f"{arg.id} passed to a call")
+                elif arg.id not in self.bound:
+                    self.checks.append((arg.id, ()))
+        self.generic_visit(node)
+
+
+# -- the rewrite ---------------------------------------------------------------------------
+def _name(name: str, ctx=None):
+    return ast.Name(name, ctx or ast.Load())
+
+
+def _at(node, like):
+    """Give ``node`` and its new sub-nodes the location of the user's ``like``."""
+    for sub in ast.walk(node):
+        if "lineno" in sub._attributes and not hasattr(sub, "lineno"):
+            ast.copy_location(sub, like)
+    return node
+
+
+def _wait_if(call, like):
+    """``if (_dg_w := call) is not None: yield _dg_w``"""
+    test = ast.Compare(ast.NamedExpr(_name("_dg_w", ast.Store()), call), [ast.IsNot()],
+                       [ast.Constant(None)])
+    return _at(ast.If(test=test, body=[ast.Expr(ast.Yield(_name("_dg_w")))], orelse=[]), like)
+
+
+class _Rename(ast.NodeTransformer):
+    def __init__(self, names: dict):
+        self.names = names
+
+    def visit_Name(self, node):
+        new = self.names.get(node.id)
+        return ast.copy_location(ast.Name(new, node.ctx), node) if new else node
+
+
+class _Rewrite(ast.NodeTransformer):
+    def __init__(self):
+        self.n = 0
+
+    def _tmp(self, kind: str) -> str:
+        self.n += 1
+        return f"_dg_{kind}{self.n}"
+
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        if node.attr not in REQUESTS or not isinstance(node.ctx, ast.Load):
+            return node
+        v = self._tmp("v")
+        if node.attr in ("output", "grad"):  # the hook sends the very value the read gives
+            read, waited = node, ast.Yield(_name(v))
+        else:  # .input / .inputs: read again at the stop
+            r = self._tmp("r")
+            read = ast.Attribute(ast.NamedExpr(_name(r, ast.Store()), node.value), node.attr,
+                                 ast.Load())
+            waited = ast.Subscript(ast.Tuple([ast.Yield(_name(v)),
+                                              ast.Attribute(_name(r), node.attr, ast.Load())],
+                                             ast.Load()), ast.Constant(1), ast.Load())
+        test = ast.Compare(ast.NamedExpr(_name(v, ast.Store()), read), [ast.IsNot()],
+                           [_name("_dg_P")])
+        return _at(ast.IfExp(test=test, body=_name(v), orelse=waited), node)
+
+    def _store(self, node, target, rebuild):
+        """``t.attr = e`` / ``t.attr op= e``: be at t's value before assigning it."""
+        recv = self._tmp("t")
+        before = [ast.Assign([_name(recv, ast.Store())], self.visit(target.value))]
+        ready = ast.Call(_name("_dg_ready"), [_name(recv), ast.Constant(target.attr)], [])
+        store = ast.Attribute(_name(recv), target.attr, ast.Store())
+        return [_at(s, node) for s in before] + [_wait_if(ready, node), _at(rebuild(store), node)]
+
+    def visit_Assign(self, node):
+        target = node.targets[0]
+        if len(node.targets) == 1 and isinstance(target, ast.Attribute) and target.attr in REQUESTS:
+            value = self._tmp("e")  # the value first, as Python evaluates it
+            first = _at(ast.Assign([_name(value, ast.Store())], self.visit(node.value)), node)
+            return [first] + self._store(node, target, lambda t: ast.Assign([t], _name(value)))
+        if isinstance(node.value, ast.ListComp) and _has_request(node.value):
+            stmts, result = self._expand(node.value, node)
+            node.targets = [self.visit(t) for t in node.targets]
+            node.value = _at(_name(result), node)
+            return stmts + [node]
+        return self.generic_visit(node)
+
+    def visit_AugAssign(self, node):
+        target = node.target
+        if isinstance(target, ast.Attribute) and target.attr in REQUESTS:
+            value = self.visit(node.value)
+            return self._store(node, target, lambda t: ast.AugAssign(t, node.op, value))
+        return self.generic_visit(node)
+
+    def visit_Expr(self, node):
+        if isinstance(node.value, ast.ListComp) and _has_request(node.value):
+            return self._expand(node.value, node)[0]
+        return self.generic_visit(node)
+
+    def _expand(self, comp, like):
+        """A list comprehension as the loop it stands for, its variables renamed apart."""
+        result = self._tmp("l")
+        names = {}
+        for gen in comp.generators:
+            for sub in ast.walk(gen.target):
+                if isinstance(sub, ast.Name):
+                    names[sub.id] = f"_dg_c{self.n}_{sub.id}"
+        rename = _Rename(names)
+        inner = ast.Expr(ast.Call(ast.Attribute(_name(result), "append", ast.Load()),
+                                  [rename.visit(comp.elt)], []))
+        for i, gen in reversed(list(enumerate(comp.generators))):
+            body = [inner]
+            for cond in reversed(gen.ifs):
+                body = [ast.If(rename.visit(cond), body, [])]
+            source = gen.iter if i == 0 else rename.visit(gen.iter)
+            inner = ast.For(target=rename.visit(gen.target), iter=source, body=body, orelse=[])
+        start = ast.Assign([_name(result, ast.Store())], ast.List([], ast.Load()))
+        return [_at(start, like), self.visit(_at(inner, like))], result
+
+    def visit_With(self, node):
+        if not any(_is_backward(item) for item in node.items):
+            return self.generic_visit(node)
+        call = node.items[0].context_expr
+        tensor = self._tmp("b")
+        first = _at(ast.Assign([_name(tensor, ast.Store())], self.visit(call.func.value)), node)
+        call.func.value = _at(_name(tensor), call)
+        leave = ast.Call(_name("_dg_leave"), [], [])
+        body = []
+        for stmt in node.body:
+            new = self.visit(stmt)
+            body.extend(new if isinstance(new, list) else [new])
+        if node.items[0].optional_vars is not None:
+            node.items[0].optional_vars = self.visit(node.items[0].optional_vars)
+        node.body = body + [_wait_if(leave, node.body[-1])]
+        return [first, _wait_if(leave, node), node]
+

@@ -1,0 +1,266 @@
+"""A trace body run as a generator that the run's own hooks resume, with no stack switching.
+
+The greenlet design (``run.py``) pauses the model's run in a second greenlet and switches stacks
+twice per value the body asks for. ``benchmarks/marginal.py`` measures that switching at 20-30 us
+per read+edit on this machine, above the 20 us a read+edit may cost in all. So where a body
+allows it (``generator_body.py`` decides, and rewrites each ``.output`` / ``.grad`` into a
+``yield``), the roles turn round: the trace calls the forward (and later the backward) itself,
+on its own stack, and the hook that produces a wanted value resumes the body in place with
+``gen.send(value)``. The body runs until it asks for its next value and yields; the hook returns
+what the body put at its stop, and the run goes on.
+
+The protocol with the body, in three marks:
+
+* a request the run cannot serve yet returns ``PAUSE_STOP`` (its view is ``PAUSED``), which the
+  rewritten body yields. ``driver.waiting`` says which key of which session it waits for;
+* ``leave()``: the body needs the run it is inside to finish (before a backward block opens, and
+  when one closes). The hook returns and the run goes on to its end;
+* the body's end, or its exception. An exception inside a hook unwinds the run with ``_Abort``
+  and is raised again from the trace, with the body's own lines in its traceback.
+
+``PAUSED`` is poisoned: code that was not rewritten (a helper function the body calls) that gets
+it fails at its first use, with a message that says what to do.
+"""
+from __future__ import annotations
+
+import greenlet
+import torch
+
+from .backward import grad_stop
+from .envoy import Envoy
+from .errors import TraceStateError
+from .gradpatch import _served
+from .paused import _HELPER, LEAVE, PAUSE_STOP, PAUSED
+from .run import Outcome, _Abort
+from .session import _UNSET, BODIES, Session, _passed
+
+_getcurrent = greenlet.getcurrent
+_Tensor = torch.Tensor
+
+def _reply_of(stop):
+    reply = stop.replacement
+    return stop.edited() if reply is _UNSET else reply
+
+
+class GeneratorRun:
+    """A forward or backward that the driver calls on its own stack (``resume`` runs it to the
+    end); hooks resume the body inside it through ``GeneratorSession.hand``."""
+
+    glet = None
+
+    def __init__(self, fn, driver, session):
+        self.fn = fn
+        self.driver = driver
+        self.session = session
+        self.running = False
+        self.finished = False
+        self.close_later = False
+
+    def resume(self, reply=None) -> Outcome:
+        if self.running or self.finished:
+            raise TraceStateError(f"distgrad: the {self.session.kind} was asked to run again "
+                                  f"while it runs. {_HELPER}")
+        driver = self.driver
+        self.running = True
+        outer, driver.inside = driver.inside, self.session
+        glet = driver.glet
+        body = BODIES.pop(glet, None)  # the run's other hooks (a library's) see no body
+        try:
+            event = Outcome("done", self.fn())
+        except _Abort:
+            event = Outcome("aborted")
+        except BaseException as exc:  # handed to the body, as a greenlet run does
+            event = Outcome("error", exc)
+        finally:
+            self.running = False
+            self.finished = True
+            driver.inside = outer
+            if body is not None:
+                BODIES[glet] = body
+            if self.close_later:  # the body closed the session while its run was on the stack
+                self.close_later = False
+                self.session.close()
+        return event
+
+    def abort(self) -> None:
+        # A run on the stack unwinds by itself: the body's exception leaves the hook as _Abort.
+        self.finished = True
+
+
+class GeneratorSession(Session):
+    """A solo session whose body is a generator: requests pause by returning ``PAUSE_STOP``."""
+
+    def __init__(self, kind: str, fn, bodies: list, driver):
+        super().__init__(kind, fn, bodies)
+        self.driver = driver
+        self.run = GeneratorRun(fn, driver, self)
+        self.resume = self.run.resume
+        self.hand = self._hand
+
+    def request_solo(self, body, key, passed_message, tensor=None, local=False):
+        if self.finished:
+            raise _passed(passed_message)
+        driver = self.driver
+        if driver.waiting is not None:  # the last pause never reached a yield of the body
+            driver.waiting = None
+            raise TraceStateError(_HELPER)
+        stop = body.stop
+        if stop is not None:
+            body.stop = None
+            driver.reply = _reply_of(stop)
+        self.wanted[key] = 1
+        driver.waiting = (self, key, passed_message, tensor, local)
+        return PAUSE_STOP
+
+    def _hand(self, key, value):
+        """A hook's hand-off: give the body the value, let it run to its next request, and
+        return what it put here (None: leave the value as it is)."""
+        driver = self.driver
+        if _getcurrent() is not driver.glet:
+            raise RuntimeError("distgrad: a hook fired on another thread or greenlet than the "
+                               "trace's. Set distgrad.config.body_mode = 'greenlet' (and, for an "
+                               "accelerator, backward_mode = 'thread').")
+        waiting = driver.waiting
+        driver.waiting = None
+        del self.wanted[key]
+        stop = self.spare
+        stop.key = key
+        tensor = stop.tensor = waiting[3]
+        stop.local = waiting[4]
+        stop.replacement = _UNSET
+        body = driver.body
+        if tensor is not None:  # a gradient: the body's own copy (see Stop)
+            value = value.clone()
+            stop.version = value._version
+        elif value.__class__ is _Tensor:
+            body.labels[id(value)] = (value, key[0].path, "." + key[0].kind)
+        stop.view = value
+        body.stop = stop
+        return driver.resume(value)
+
+    def close(self) -> None:
+        if self.run.running:
+            self.run.close_later = True
+            return
+        super().close()
+
+
+class GeneratorDriver:
+    """Runs one trace body's generator: starts the runs it waits for, resumes it after each."""
+
+    def __init__(self, body):
+        self.body = body
+        self.gen = self.send = None
+        self.glet = _getcurrent()
+        self.inside = None    # the session whose run is on the stack, if any
+        self.waiting = None   # (session, key, passed_message, tensor, local), LEAVE or None
+        self.reply = None     # for the hook the body is leaving
+        self.ended = False
+        self.error = None     # the body's exception, when it ended the body inside a run
+
+    def attach(self, gen) -> None:
+        self.gen = gen
+        self.send = gen.send
+
+    # -- the hook side ------------------------------------------------------------------
+    def resume(self, value):
+        glet = self.glet
+        BODIES[glet] = self.body
+        try:
+            self.send(value)
+        except StopIteration:
+            self._ended()
+        except BaseException as exc:
+            self.ended = True
+            self.error = exc
+            raise _Abort() from None
+        finally:
+            BODIES.pop(glet, None)
+        reply, self.reply = self.reply, None
+        return reply
+
+    # -- what the rewritten body calls --------------------------------------------------
+    def leave(self):
+        """Before a backward block opens and when it closes: if the body is inside a run, let
+        that run finish first (the body yields what this returns)."""
+        if self.inside is None:
+            return None
+        stop = self.body.stop
+        if stop is not None:
+            self.body.stop = None
+            self.reply = _reply_of(stop)
+        self.waiting = LEAVE
+        return LEAVE
+
+    def ready(self, obj, attr: str):
+        """Before ``obj.<attr> = value``: stop the run at ``obj``'s value first, so that the
+        assignment itself needs no pause. Returns what the body must yield, or None."""
+        body = self.body
+        stop = body.stop
+        if stop is not None and stop.tensor is obj:  # `t.grad = t.grad * 2`: at it already
+            return None
+        if attr == "grad":
+            if not isinstance(obj, _Tensor) or body.block is None:
+                return None
+            if not (_served(obj) and obj.requires_grad):
+                return None
+            return PAUSED if grad_stop(body, obj) is PAUSE_STOP else None
+        if not isinstance(obj, Envoy):
+            return None
+        return PAUSED if getattr(obj, attr) is PAUSED else None
+
+    # -- the trace side -----------------------------------------------------------------
+    def drive(self) -> None:
+        """Run the body to its end, starting each run it waits for."""
+        try:
+            self._step(self.send, None)
+            while not self.ended:
+                waiting = self.waiting
+                if waiting is None or waiting is LEAVE:
+                    raise TraceStateError(_HELPER)
+                session = waiting[0]
+                event = session.resume(None)
+                session.finished = True
+                self._after(session, event)
+        finally:
+            if not self.ended:  # unwind the body's own with-blocks (a backward block aborts)
+                self.ended = True
+                self.gen.close()
+            self.gen = self.send = None
+
+    def _after(self, session, event) -> None:
+        if event.kind == "aborted":
+            raise self.error
+        if self.ended:
+            if event.kind == "error":
+                raise event.value
+            return
+        waiting = self.waiting
+        if waiting is LEAVE:
+            self.waiting = None
+            if event.kind == "error":
+                self._step(self.gen.throw, event.value)
+            else:
+                self._step(self.send, None)
+        elif waiting[0] is session:  # the run ended before the key the body waits for
+            self.waiting = None
+            session.wanted.clear()
+            self._step(self.gen.throw,
+                       event.value if event.kind == "error" else _passed(waiting[2]))
+        elif event.kind == "error":
+            raise event.value
+
+    def _step(self, how, arg) -> None:
+        try:
+            how(arg)
+        except StopIteration:
+            self._ended()
+
+    def _ended(self) -> None:
+        self.ended = True
+        self.waiting = None
+        stop = self.body.stop
+        if stop is not None:
+            self.body.stop = None
+            self.reply = _reply_of(stop)
+

@@ -141,7 +141,7 @@ class Envoy:
             value = stop.view
         if value.__class__ is _Tensor:
             body.labels[id(value)] = (value, self._path, ".output")
-        else:
+        elif value is not PAUSED:  # PAUSED: a generator body waits (generator_run.py)
             body.remember(value, self._path, ".output")
         return value
 

@@ -48,7 +48,7 @@ _REFUSED = {ast.Return: "return", ast.Yield: "yield", ast.YieldFrom: "yield from
 _BUILTIN_KINDS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.MethodDescriptorType,
                   types.WrapperDescriptorType, types.MethodWrapperType,
                   types.ClassMethodDescriptorType)
-_ARGS = ("_dg_out", "_dg_ns", "_dg_P", "_dg_leave", "_dg_ready")
+_ARGS = ("_dg_out", "_dg_ns", "_dg_P", "_dg_leave", "_dg_ready", "_dg_body")
 
 
 class Plan:
@@ -157,7 +157,7 @@ def start(plan: Plan, frame, namespace: dict, driver, paused):
     """A new generator of ``plan``'s body, with the frame's globals and its locals' values."""
     fn = types.FunctionType(plan.code, frame.f_globals)
     out: dict = {}
-    return fn(out, namespace, paused, driver.leave, driver.ready), out
+    return fn(out, namespace, paused, driver.leave, driver.ready, driver.body), out
 
 
 # -- the survey ----------------------------------------------------------------------------
@@ -366,11 +366,24 @@ def _at(node, like):
     return node
 
 
-def _wait_if(call, like):
-    """``if (_dg_w := call) is not None: yield _dg_w``"""
+def _wait_if(call, like, unless=None):
+    """``if [not unless and] (_dg_w := call) is not None: yield _dg_w``"""
     test = ast.Compare(ast.NamedExpr(_name("_dg_w", ast.Store()), call), [ast.IsNot()],
                        [ast.Constant(None)])
+    if unless is not None:
+        test = ast.BoolOp(ast.And(), [ast.UnaryOp(ast.Not(), unless), test])
     return _at(ast.If(test=test, body=[ast.Expr(ast.Yield(_name("_dg_w")))], orelse=[]), like)
+
+
+def _at_grad_of(name: str):
+    """``(_dg_s := _dg_body.stop) is not None and _dg_s.tensor is name``: the body is at this
+    tensor's gradient already (``t.grad = t.grad * 2``), so the store needs no call to ready."""
+    stop = ast.NamedExpr(_name("_dg_s", ast.Store()), ast.Attribute(_name("_dg_body"), "stop",
+                                                                    ast.Load()))
+    return ast.BoolOp(ast.And(), [
+        ast.Compare(stop, [ast.IsNot()], [ast.Constant(None)]),
+        ast.Compare(ast.Attribute(_name("_dg_s"), "tensor", ast.Load()), [ast.Is()],
+                    [_name(name)])])
 
 
 class _Rename(ast.NodeTransformer):
@@ -414,7 +427,9 @@ class _Rewrite(ast.NodeTransformer):
         before = [ast.Assign([_name(recv, ast.Store())], self.visit(target.value))]
         ready = ast.Call(_name("_dg_ready"), [_name(recv), ast.Constant(target.attr)], [])
         store = ast.Attribute(_name(recv), target.attr, ast.Store())
-        return [_at(s, node) for s in before] + [_wait_if(ready, node), _at(rebuild(store), node)]
+        unless = _at_grad_of(recv) if target.attr == "grad" else None
+        return ([_at(s, node) for s in before] + [_wait_if(ready, node, unless),
+                                                  _at(rebuild(store), node)])
 
     def visit_Assign(self, node):
         target = node.targets[0]

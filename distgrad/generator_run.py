@@ -105,9 +105,13 @@ class GeneratorSession(Session):
             driver.waiting = None
             raise TraceStateError(_HELPER)
         stop = body.stop
-        if stop is not None:
+        if stop is not None:  # the reply for the hook the body leaves: _reply_of, written out
             body.stop = None
-            driver.reply = _reply_of(stop)
+            reply = stop.replacement
+            if reply is _UNSET:
+                reply = stop.view if (stop.tensor is not None
+                                      and stop.view._version != stop.version) else None
+            driver.reply = reply
         self.wanted[key] = 1
         driver.waiting = (self, key, passed_message, tensor, local)
         return PAUSE_STOP
@@ -116,7 +120,8 @@ class GeneratorSession(Session):
         """A hook's hand-off: give the body the value, let it run to its next request, and
         return what it put here (None: leave the value as it is)."""
         driver = self.driver
-        if _getcurrent() is not driver.glet:
+        glet = driver.glet
+        if _getcurrent() is not glet:
             raise RuntimeError("distgrad: a hook fired on another thread or greenlet than the "
                                "trace's. Set distgrad.config.body_mode = 'greenlet' (and, for an "
                                "accelerator, backward_mode = 'thread').")
@@ -136,7 +141,20 @@ class GeneratorSession(Session):
             body.labels[id(value)] = (value, key[0].path, "." + key[0].kind)
         stop.view = value
         body.stop = stop
-        return driver.resume(value)
+        # driver.resume, written out: this runs twice per read+edit
+        BODIES[glet] = body
+        try:
+            driver.send(value)
+        except StopIteration:
+            driver._ended()
+        except BaseException as exc:
+            driver.ended = True
+            driver.error = exc
+            raise _Abort() from None
+        finally:
+            del BODIES[glet]
+        reply, driver.reply = driver.reply, None
+        return reply
 
     def close(self) -> None:
         if self.run.running:
@@ -161,23 +179,6 @@ class GeneratorDriver:
     def attach(self, gen) -> None:
         self.gen = gen
         self.send = gen.send
-
-    # -- the hook side ------------------------------------------------------------------
-    def resume(self, value):
-        glet = self.glet
-        BODIES[glet] = self.body
-        try:
-            self.send(value)
-        except StopIteration:
-            self._ended()
-        except BaseException as exc:
-            self.ended = True
-            self.error = exc
-            raise _Abort() from None
-        finally:
-            BODIES.pop(glet, None)
-        reply, self.reply = self.reply, None
-        return reply
 
     # -- what the rewritten body calls --------------------------------------------------
     def leave(self):

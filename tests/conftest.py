@@ -88,13 +88,16 @@ def mlp(_mlp):
     return _fresh(_mlp)
 
 
-@pytest.fixture(params=["greenlet", "thread"])
+@pytest.fixture(params=["generator", "greenlet", "thread"])
 def backward_mode(request):
-    """Run a backward test with the backward in a greenlet and in a worker thread (the CUDA path)."""
-    old = distgrad.config.backward_mode
-    distgrad.config.backward_mode = request.param
+    """Run a backward test three ways: the body as a generator that the hooks resume (the
+    default, where the body qualifies); the body in place with the run in a greenlet; and the
+    backward in a worker thread (the CUDA path)."""
+    old = distgrad.config.backward_mode, distgrad.config.body_mode
+    distgrad.config.backward_mode = "auto" if request.param == "generator" else request.param
+    distgrad.config.body_mode = "auto" if request.param == "generator" else "greenlet"
     yield request.param
-    distgrad.config.backward_mode = old
+    distgrad.config.backward_mode, distgrad.config.body_mode = old
 
 
 def param_grads(net) -> dict:

@@ -48,7 +48,8 @@ _REFUSED = {ast.Return: "return", ast.Yield: "yield", ast.YieldFrom: "yield from
 _BUILTIN_KINDS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.MethodDescriptorType,
                   types.WrapperDescriptorType, types.MethodWrapperType,
                   types.ClassMethodDescriptorType)
-_ARGS = ("_dg_out", "_dg_ns", "_dg_P", "_dg_leave", "_dg_ready", "_dg_body")
+_ARGS = ("_dg_out", "_dg_ns", "_dg_P", "_dg_leave", "_dg_ready", "_dg_body", "_dg_output",
+         "_dg_grad", "_dg_set_grad")
 
 
 class Plan:
@@ -157,7 +158,8 @@ def start(plan: Plan, frame, namespace: dict, driver, paused):
     """A new generator of ``plan``'s body, with the frame's globals and its locals' values."""
     fn = types.FunctionType(plan.code, frame.f_globals)
     out: dict = {}
-    return fn(out, namespace, paused, driver.leave, driver.ready, driver.body), out
+    return fn(out, namespace, paused, driver.leave, driver.ready, driver.body, driver.output,
+              driver.grad, driver.set_grad), out
 
 
 # -- the survey ----------------------------------------------------------------------------
@@ -366,18 +368,16 @@ def _at(node, like):
     return node
 
 
-def _wait_if(call, like, unless=None):
-    """``if [not unless and] (_dg_w := call) is not None: yield _dg_w``"""
+def _wait_if(call, like):
+    """``if (_dg_w := call) is not None: yield _dg_w``"""
     test = ast.Compare(ast.NamedExpr(_name("_dg_w", ast.Store()), call), [ast.IsNot()],
                        [ast.Constant(None)])
-    if unless is not None:
-        test = ast.BoolOp(ast.And(), [ast.UnaryOp(ast.Not(), unless), test])
     return _at(ast.If(test=test, body=[ast.Expr(ast.Yield(_name("_dg_w")))], orelse=[]), like)
 
 
 def _at_grad_of(name: str):
     """``(_dg_s := _dg_body.stop) is not None and _dg_s.tensor is name``: the body is at this
-    tensor's gradient already (``t.grad = t.grad * 2``), so the store needs no call to ready."""
+    tensor's gradient already (``t.grad = t.grad * 2``)."""
     stop = ast.NamedExpr(_name("_dg_s", ast.Store()), ast.Attribute(_name("_dg_body"), "stop",
                                                                     ast.Load()))
     return ast.BoolOp(ast.And(), [
@@ -409,7 +409,8 @@ class _Rewrite(ast.NodeTransformer):
             return node
         v = self._tmp("v")
         if node.attr in ("output", "grad"):  # the hook sends the very value the read gives
-            read, waited = node, ast.Yield(_name(v))
+            read = ast.Call(_name(f"_dg_{node.attr}"), [node.value], [])
+            waited = ast.Yield(_name(v))
         else:  # .input / .inputs: read again at the stop
             r = self._tmp("r")
             read = ast.Attribute(ast.NamedExpr(_name(r, ast.Store()), node.value), node.attr,
@@ -427,16 +428,22 @@ class _Rewrite(ast.NodeTransformer):
         before = [ast.Assign([_name(recv, ast.Store())], self.visit(target.value))]
         ready = ast.Call(_name("_dg_ready"), [_name(recv), ast.Constant(target.attr)], [])
         store = ast.Attribute(_name(recv), target.attr, ast.Store())
-        unless = _at_grad_of(recv) if target.attr == "grad" else None
-        return ([_at(s, node) for s in before] + [_wait_if(ready, node, unless),
-                                                  _at(rebuild(store), node)])
+        return [_at(s, node) for s in before] + [_wait_if(ready, node), _at(rebuild(store), node)]
 
     def visit_Assign(self, node):
         target = node.targets[0]
         if len(node.targets) == 1 and isinstance(target, ast.Attribute) and target.attr in REQUESTS:
             value = self._tmp("e")  # the value first, as Python evaluates it
             first = _at(ast.Assign([_name(value, ast.Store())], self.visit(node.value)), node)
-            return [first] + self._store(node, target, lambda t: ast.Assign([t], _name(value)))
+            stores = self._store(node, target, lambda t: ast.Assign([t], _name(value)))
+            if target.attr != "grad":
+                return [first] + stores
+            # at that gradient already (`t.grad = t.grad * 2`): the driver's set_grad
+            recv = stores[0].targets[0].id
+            direct = ast.Expr(ast.Call(_name("_dg_set_grad"), [_name("_dg_s"), _name(recv),
+                                                               _name(value)], []))
+            branch = ast.If(test=_at_grad_of(recv), body=[direct], orelse=stores[1:])
+            return [first, stores[0], _at(branch, node)]
         if isinstance(node.value, ast.ListComp) and _has_request(node.value):
             stmts, result = self._expand(node.value, node)
             node.targets = [self.visit(t) for t in node.targets]

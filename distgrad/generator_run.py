@@ -26,11 +26,12 @@ from __future__ import annotations
 import greenlet
 import torch
 
-from .backward import grad_stop
+from .backward import grad_passed, grad_stop
 from .envoy import Envoy
-from .errors import TraceStateError
+from .errors import TraceStateError, check_replacement_grad
 from .gradpatch import _served
 from .paused import _HELPER, LEAVE, PAUSE_STOP, PAUSED
+from .points import GradPoint
 from .run import Outcome, _Abort
 from .session import _UNSET, BODIES, Session, _passed
 
@@ -113,7 +114,14 @@ class GeneratorSession(Session):
                                       and stop.view._version != stop.version) else None
             driver.reply = reply
         self.wanted[key] = 1
-        driver.waiting = (self, key, passed_message, tensor, local)
+        # The body is done with the spare Stop (its reply is taken): fill it for the value to come.
+        stop = self.spare
+        stop.key = key
+        stop.tensor = tensor
+        stop.local = local
+        stop.replacement = _UNSET
+        driver.waiting = self
+        driver.passed = passed_message
         return PAUSE_STOP
 
     def _hand(self, key, value):
@@ -125,16 +133,11 @@ class GeneratorSession(Session):
             raise RuntimeError("distgrad: a hook fired on another thread or greenlet than the "
                                "trace's. Set distgrad.config.body_mode = 'greenlet' (and, for an "
                                "accelerator, backward_mode = 'thread').")
-        waiting = driver.waiting
         driver.waiting = None
         del self.wanted[key]
-        stop = self.spare
-        stop.key = key
-        tensor = stop.tensor = waiting[3]
-        stop.local = waiting[4]
-        stop.replacement = _UNSET
+        stop = self.spare  # request_solo filled it but for the value
         body = driver.body
-        if tensor is not None:  # a gradient: the body's own copy (see Stop)
+        if stop.tensor is not None:  # a gradient: the body's own copy (see Stop)
             value = value.clone()
             stop.version = value._version
         elif value.__class__ is _Tensor:
@@ -171,7 +174,8 @@ class GeneratorDriver:
         self.gen = self.send = None
         self.glet = _getcurrent()
         self.inside = None    # the session whose run is on the stack, if any
-        self.waiting = None   # (session, key, passed_message, tensor, local), LEAVE or None
+        self.waiting = None   # the session whose next value the body waits for, LEAVE or None
+        self.passed = None    # words the error if that session's run ends first
         self.reply = None     # for the hook the body is leaving
         self.ended = False
         self.error = None     # the body's exception, when it ended the body inside a run
@@ -181,6 +185,62 @@ class GeneratorDriver:
         self.send = gen.send
 
     # -- what the rewritten body calls --------------------------------------------------
+    # output, grad and set_grad are the body's reads and gradient writes, with the common case
+    # written out; anything else (errors included) goes through the property, which does the
+    # same in general. They save marginal.py's read+edit four calls and ~250 bytecodes.
+    def output(self, envoy):
+        """``envoy.output`` in the body: a plain envoy whose point is kept between traces."""
+        if envoy.__class__ is not Envoy or envoy._call is not None or envoy._local:
+            return envoy.output
+        body = self.body
+        session = body.trace.forward
+        if session is None or session.finished or body.block is not None:
+            return envoy.output
+        point = session.points.get((id(envoy._module), "output"))
+        if point is None:  # Trace._new_point's common case: arm the kept point
+            kept = envoy._kept
+            point = kept.get("output") if kept is not None else None
+            covered = session.covered
+            parent = envoy._parent
+            if (point is None or point.session is not None or not covered
+                    or (parent is not None and parent._path not in covered)):
+                return envoy.output
+            point.arm(session)
+        else:
+            stop = body.stop
+            if stop is not None and stop.key[0] is point:  # at it already
+                if stop.local:
+                    return envoy.output  # raises: one value asked for in two forms
+                value = stop.replacement
+                return stop.view if value is _UNSET else value
+        return session.request_solo(body, (point, point.calls), point.passed).view
+
+    def grad(self, tensor):
+        """``tensor.grad`` in the body: at that gradient, or a graph tensor in an open block."""
+        body = self.body
+        stop = body.stop
+        if stop is not None and stop.tensor is tensor:
+            value = stop.replacement
+            return stop.view if value is _UNSET else value
+        block = body.block
+        if (tensor.__class__ is not _Tensor or block is None or tensor.retains_grad
+                or not tensor.requires_grad):
+            return tensor.grad
+        session = block.session
+        if session is None or session.finished:
+            return tensor.grad
+        point = GradPoint(session, tensor)
+        return session.request_solo(body, (point, 0),
+                                    lambda: grad_passed(block.tensor, tensor, body), tensor).view
+
+    def set_grad(self, stop, tensor, value) -> None:
+        """``tensor.grad = value`` in the body while the body is at that gradient."""
+        old = stop.view
+        if not (value.__class__ is _Tensor and value.shape == old.shape
+                and value.dtype == old.dtype and value.device == old.device):
+            check_replacement_grad(lambda: self.body.label_of(tensor) + ".grad", old, value)
+        stop.replacement = value
+
     def leave(self):
         """Before a backward block opens and when it closes: if the body is inside a run, let
         that run finish first (the body yields what this returns)."""
@@ -219,7 +279,7 @@ class GeneratorDriver:
                 waiting = self.waiting
                 if waiting is None or waiting is LEAVE:
                     raise TraceStateError(_HELPER)
-                session = waiting[0]
+                session = waiting
                 event = session.resume(None)
                 session.finished = True
                 self._after(session, event)
@@ -243,11 +303,11 @@ class GeneratorDriver:
                 self._step(self.gen.throw, event.value)
             else:
                 self._step(self.send, None)
-        elif waiting[0] is session:  # the run ended before the key the body waits for
+        elif waiting is session:  # the run ended before the key the body waits for
             self.waiting = None
             session.wanted.clear()
             self._step(self.gen.throw,
-                       event.value if event.kind == "error" else _passed(waiting[2]))
+                       event.value if event.kind == "error" else _passed(self.passed))
         elif event.kind == "error":
             raise event.value
 

@@ -49,7 +49,7 @@ _BUILTIN_KINDS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.Meth
                   types.WrapperDescriptorType, types.MethodWrapperType,
                   types.ClassMethodDescriptorType)
 _ARGS = ("_dg_out", "_dg_ns", "_dg_P", "_dg_leave", "_dg_ready", "_dg_body", "_dg_output",
-         "_dg_grad", "_dg_set_grad")
+         "_dg_grad", "_dg_set_grad", "_dg_save")
 
 
 class Plan:
@@ -159,7 +159,7 @@ def start(plan: Plan, frame, namespace: dict, driver, paused):
     fn = types.FunctionType(plan.code, frame.f_globals)
     out: dict = {}
     return fn(out, namespace, paused, driver.leave, driver.ready, driver.body, driver.output,
-              driver.grad, driver.set_grad), out
+              driver.grad, driver.set_grad, driver.save), out
 
 
 # -- the survey ----------------------------------------------------------------------------
@@ -421,6 +421,14 @@ class _Rewrite(ast.NodeTransformer):
         test = ast.Compare(ast.NamedExpr(_name(v, ast.Store()), read), [ast.IsNot()],
                            [_name("_dg_P")])
         return _at(ast.IfExp(test=test, body=_name(v), orelse=waited), node)
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        func = node.func
+        if (isinstance(func, ast.Attribute) and func.attr == "save" and not node.args
+                and not node.keywords):  # `x.save()`: the driver's save
+            return _at(ast.Call(_name("_dg_save"), [func.value], []), node)
+        return node
 
     def _store(self, node, target, rebuild):
         """``t.attr = e`` / ``t.attr op= e``: be at t's value before assigning it."""

@@ -23,15 +23,18 @@ it fails at its first use, with a message that says what to do.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+from functools import partial
+
 import greenlet
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .backward import grad_passed, grad_stop
 from .envoy import Envoy
 from .errors import TraceStateError, check_replacement_grad
 from .gradpatch import _served
 from .paused import _HELPER, LEAVE, PAUSE_STOP, PAUSED
-from .points import GradPoint
 from .run import Outcome, _Abort
 from .session import _UNSET, BODIES, Session, _passed
 
@@ -94,6 +97,10 @@ class GeneratorSession(Session):
     def __init__(self, kind: str, fn, bodies: list, driver):
         super().__init__(kind, fn, bodies)
         self.driver = driver
+        self.body = driver.body  # the driver's, kept here too: _hand runs twice per read+edit
+        self.glet = driver.glet
+        self.grad_hooks: list = []  # (hook dict, id) of each want_grad hook, removed at close
+        self.want_hid = None        # the id of the gradient hook the body waits for
         self.run = GeneratorRun(fn, driver, self)
         self.resume = self.run.resume
         self.hand = self._hand
@@ -124,24 +131,67 @@ class GeneratorSession(Session):
         driver.passed = passed_message
         return PAUSE_STOP
 
+    def want_grad(self, body, tensor, passed_message):
+        """The driver's gradient request: request_solo with a one-shot tensor hook instead of a
+        GradPoint. A tensor's gradient arrives once per backward and the body waits for one
+        value at a time, so the hook needs no call count and no wanted key: the session knows
+        the id of the hook it waits for. (About 60 bytecodes less per gradient.)"""
+        driver = self.driver
+        if driver.waiting is not None:  # the last pause never reached a yield of the body
+            driver.waiting = None
+            raise TraceStateError(_HELPER)
+        stop = body.stop
+        if stop is not None:  # as in request_solo
+            body.stop = None
+            reply = stop.replacement
+            if reply is _UNSET:
+                reply = stop.view if (stop.tensor is not None
+                                      and stop.view._version != stop.version) else None
+            driver.reply = reply
+        hooks = tensor._backward_hooks  # the entry Tensor.register_hook writes (see points.py)
+        if hooks is None:
+            hooks = tensor._backward_hooks = OrderedDict()
+            if tensor.grad_fn is not None:
+                tensor.grad_fn._register_hook_dict(tensor)
+        hid = RemovableHandle.next_id
+        RemovableHandle.next_id = hid + 1
+        hooks[hid] = partial(self._grad_ready, hid)
+        self.grad_hooks.append((hooks, hid))
+        self.want_hid = hid
+        stop = self.spare
+        stop.key = (None, hid)
+        stop.tensor = tensor
+        stop.replacement = _UNSET
+        driver.waiting = self
+        driver.passed = passed_message
+        return PAUSE_STOP
+
+    def _grad_ready(self, hid, grad):
+        if hid != self.want_hid:
+            return None
+        self.want_hid = None
+        return self._hand(None, grad)
+
     def _hand(self, key, value):
         """A hook's hand-off: give the body the value, let it run to its next request, and
         return what it put here (None: leave the value as it is)."""
-        driver = self.driver
-        glet = driver.glet
+        glet = self.glet
         if _getcurrent() is not glet:
             raise RuntimeError("distgrad: a hook fired on another thread or greenlet than the "
                                "trace's. Set distgrad.config.body_mode = 'greenlet' (and, for an "
                                "accelerator, backward_mode = 'thread').")
+        driver = self.driver
         driver.waiting = None
-        del self.wanted[key]
+        if key is not None:  # not a want_grad hook
+            del self.wanted[key]
         stop = self.spare  # request_solo filled it but for the value
-        body = driver.body
+        body = self.body
         if stop.tensor is not None:  # a gradient: the body's own copy (see Stop)
             value = value.clone()
             stop.version = value._version
         elif value.__class__ is _Tensor:
-            body.labels[id(value)] = (value, key[0].path, "." + key[0].kind)
+            point = key[0]
+            body.labels[id(value)] = (value, point.path, point.suffix)
         stop.view = value
         body.stop = stop
         # driver.resume, written out: this runs twice per read+edit
@@ -163,6 +213,9 @@ class GeneratorSession(Session):
         if self.run.running:
             self.run.close_later = True
             return
+        for hooks, hid in self.grad_hooks:
+            hooks.pop(hid, None)
+        self.grad_hooks.clear()
         super().close()
 
 
@@ -229,9 +282,15 @@ class GeneratorDriver:
         session = block.session
         if session is None or session.finished:
             return tensor.grad
-        point = GradPoint(session, tensor)
-        return session.request_solo(body, (point, 0),
-                                    lambda: grad_passed(block.tensor, tensor, body), tensor).view
+        return session.want_grad(body, tensor,
+                                 lambda: grad_passed(block.tensor, tensor, body)).view
+
+    def save(self, obj):
+        """``obj.save()`` in the body (Tensor.save's common case, written out)."""
+        if obj.__class__ is _Tensor:
+            self.body.saves.append((obj, "rank0", 0))
+            return obj
+        return obj.save()
 
     def set_grad(self, stop, tensor, value) -> None:
         """``tensor.grad = value`` in the body while the body is at that gradient."""
@@ -306,6 +365,7 @@ class GeneratorDriver:
         elif waiting is session:  # the run ended before the key the body waits for
             self.waiting = None
             session.wanted.clear()
+            session.want_hid = None
             self._step(self.gen.throw,
                        event.value if event.kind == "error" else _passed(self.passed))
         elif event.kind == "error":

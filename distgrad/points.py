@@ -32,12 +32,14 @@ def _new_hook_id() -> int:
 class ModulePoint:
     """A module's input (forward pre-hook) or output (forward hook)."""
 
-    __slots__ = ("session", "module", "path", "kind", "calls", "hid", "hooks", "fire", "key")
+    __slots__ = ("session", "module", "path", "kind", "calls", "hid", "hooks", "fire", "key",
+                 "suffix")
 
     def __init__(self, session, module: torch.nn.Module, path: str, kind: str):
         self.module = module
         self.path = path
         self.kind = kind  # "input" or "output"
+        self.suffix = "." + kind  # for labels: "model.h[0]" + ".output"
         self.key = (id(module), kind)  # its key in a session's points
         self.hid = _new_hook_id()
         self.fire = self._on_output if kind == "output" else self._on_input

@@ -14,6 +14,10 @@ read and edited (k = layers) and with none (k = 0), in turns. Per read+edit:
 Two programs: "read" reads ``model[i].output`` only (a forward pause each); "read+edit" is the
 README program per layer (forward read, then in the backward block ``a.grad.save()`` and
 ``a.grad = a.grad * 2``). Raw hooks do the same with a forward hook and a tensor hook.
+
+distgrad runs such a body as a generator that the hooks resume (the default); "greenlet bodies"
+is the same program with ``distgrad.config.body_mode = "greenlet"`` (the body in place, the run
+in a greenlet), timed in the same run. The floors below are the least each design can cost.
 """
 from __future__ import annotations
 

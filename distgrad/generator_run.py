@@ -41,10 +41,6 @@ from .session import _UNSET, BODIES, Session, _passed
 _getcurrent = greenlet.getcurrent
 _Tensor = torch.Tensor
 
-def _reply_of(stop):
-    reply = stop.replacement
-    return stop.edited() if reply is _UNSET else reply
-
 
 class GeneratorRun:
     """A forward or backward that the driver calls on its own stack (``resume`` runs it to the
@@ -109,17 +105,7 @@ class GeneratorSession(Session):
         if self.finished:
             raise _passed(passed_message)
         driver = self.driver
-        if driver.waiting is not None:  # the last pause never reached a yield of the body
-            driver.waiting = None
-            raise TraceStateError(_HELPER)
-        stop = body.stop
-        if stop is not None:  # the reply for the hook the body leaves: _reply_of, written out
-            body.stop = None
-            reply = stop.replacement
-            if reply is _UNSET:
-                reply = stop.view if (stop.tensor is not None
-                                      and stop.view._version != stop.version) else None
-            driver.reply = reply
+        driver.leave_stop(True)
         self.wanted[key] = 1
         # The body is done with the spare Stop (its reply is taken): fill it for the value to come.
         stop = self.spare
@@ -137,17 +123,7 @@ class GeneratorSession(Session):
         value at a time, so the hook needs no call count and no wanted key: the session knows
         the id of the hook it waits for. (About 60 bytecodes less per gradient.)"""
         driver = self.driver
-        if driver.waiting is not None:  # the last pause never reached a yield of the body
-            driver.waiting = None
-            raise TraceStateError(_HELPER)
-        stop = body.stop
-        if stop is not None:  # as in request_solo
-            body.stop = None
-            reply = stop.replacement
-            if reply is _UNSET:
-                reply = stop.view if (stop.tensor is not None
-                                      and stop.view._version != stop.version) else None
-            driver.reply = reply
+        driver.leave_stop(True)
         hooks = tensor._backward_hooks  # the entry Tensor.register_hook writes (see points.py)
         if hooks is None:
             hooks = tensor._backward_hooks = OrderedDict()
@@ -237,6 +213,19 @@ class GeneratorDriver:
         self.gen = gen
         self.send = gen.send
 
+    def leave_stop(self, asking: bool) -> None:
+        """The body leaves its stop: keep what it put there for the hook to return. ``asking``:
+        for a new request, which is refused if the last one never reached the body's yield."""
+        if asking and self.waiting is not None:
+            self.waiting = None
+            raise TraceStateError(_HELPER)
+        body = self.body
+        stop = body.stop
+        if stop is not None:
+            body.stop = None
+            reply = stop.replacement
+            self.reply = stop.edited() if reply is _UNSET else reply
+
     # -- what the rewritten body calls --------------------------------------------------
     # output, grad and set_grad are the body's reads and gradient writes, with the common case
     # written out; anything else (errors included) goes through the property, which does the
@@ -305,10 +294,7 @@ class GeneratorDriver:
         that run finish first (the body yields what this returns)."""
         if self.inside is None:
             return None
-        stop = self.body.stop
-        if stop is not None:
-            self.body.stop = None
-            self.reply = _reply_of(stop)
+        self.leave_stop(False)
         self.waiting = LEAVE
         return LEAVE
 
@@ -380,8 +366,5 @@ class GeneratorDriver:
     def _ended(self) -> None:
         self.ended = True
         self.waiting = None
-        stop = self.body.stop
-        if stop is not None:
-            self.body.stop = None
-            self.reply = _reply_of(stop)
+        self.leave_stop(False)
 

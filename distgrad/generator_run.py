@@ -12,7 +12,8 @@ what the body put at its stop, and the run goes on.
 The protocol with the body, in three marks:
 
 * a request the run cannot serve yet returns ``PAUSE_STOP`` (its view is ``PAUSED``), which the
-  rewritten body yields. ``driver.waiting`` says which key of which session it waits for;
+  rewritten body yields. ``driver.waiting`` is the session whose value it waits for (the key
+  is that session's one wanted key, or for a gradient the id of its one-shot hook);
 * ``leave()``: the body needs the run it is inside to finish (before a backward block opens, and
   when one closes). The hook returns and the run goes on to its end;
 * the body's end, or its exception. An exception inside a hook unwinds the run with ``_Abort``
@@ -170,7 +171,7 @@ class GeneratorSession(Session):
             body.labels[id(value)] = (value, point.path, point.suffix)
         stop.view = value
         body.stop = stop
-        # driver.resume, written out: this runs twice per read+edit
+        # resume the body here (this runs twice per read+edit); its error unwinds the run
         BODIES[glet] = body
         try:
             driver.send(value)

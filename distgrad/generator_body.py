@@ -12,6 +12,8 @@ and the body then runs in place as before, when it:
   becomes a loop);
 * returns, yields, awaits, breaks out of the body, declares ``global`` / ``nonlocal``, or uses
   ``getattr`` / ``locals`` / ``exec`` and the like, or a private ``__name`` (name mangling);
+* deletes a name, star-imports, or binds a name its function declares ``global`` (the
+  generator's names are its own: it could neither delete nor rebind the caller's);
 * sits in a class body, or has no source distgrad can read.
 
 The rewrite: ``X.output`` (and ``.grad``) becomes ``(v if (v := X.output) is not PAUSED else
@@ -103,7 +105,10 @@ def plan_for(frame) -> Plan | None:
             node = None
         if node is not None and node.body[0].lineno > max(item.context_expr.end_lineno
                                                           for item in node.items):
-            plan = _make_plan(frame, node)
+            try:
+                plan = _make_plan(frame, node)
+            except SyntaxError:  # legal where it stands, not inside a function: run in place
+                plan = None
     _plans[key] = (lines, plan)
     return plan
 
@@ -121,6 +126,8 @@ def _make_plan(frame, node) -> Plan | None:
     code = frame.f_code
     if code.co_flags & 0x02:  # a function: its own locals the body uses, bound or read
         own = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
+        if not own.issuperset(names):  # it binds a name the function declares global
+            return None
         params = tuple(sorted(used & own))
     else:  # a module: the globals the body binds (a read of one before it binds it still works)
         params = tuple(sorted(used & set(names)))
@@ -253,6 +260,12 @@ class _Survey(ast.NodeVisitor):
 
     def visit_Name(self, node):
         self._identifier(node.id)
+        if isinstance(node.ctx, ast.Del):
+            self.refuse(f"del {node.id}")  # the generator cannot delete the caller's name
+
+    def visit_ImportFrom(self, node):
+        if any(alias.name == "*" for alias in node.names):
+            self.refuse("import *")
 
     def _identifier(self, name: str) -> None:
         if name.startswith("_dg_") or (name.startswith("__") and not name.endswith("__")):

@@ -213,3 +213,23 @@ def test_library_tensor_hooks_see_plain_grad(mlp):
         handle.remove()
     assert tr.generator is not None
     assert seen == [None]
+
+
+_COUNTER = 0
+
+
+def test_bodies_the_generator_cannot_mirror_run_in_place(mlp):
+    """A name the function declares global, and `del`: the body stays where it is written,
+    and both mean what they mean there."""
+    global _COUNTER
+    model = distgrad.wrap(mlp)
+    x = torch.randn(2, 8)
+    with model.trace(x) as tr:
+        h = model[2].output
+        _COUNTER = _COUNTER + 1
+    assert tr.generator is None and _COUNTER == 1
+    scratch = 1
+    with model.trace(x) as tr:
+        h = model[2].output
+        del scratch
+    assert tr.generator is None and "scratch" not in locals()

@@ -53,7 +53,7 @@ def capture(frame, what: tuple = INVOKE_BODY) -> tuple:
     """Compile the body of the ``with`` statement that ``frame`` is entering. ``what``:
     ``INVOKE_BODY`` or ``PIPELINE_BODY``, for the wording of errors."""
     filename = frame.f_code.co_filename
-    lines = linecache.getlines(filename, frame.f_globals)
+    lines = source_lines(frame)
     if not lines:
         raise RuntimeError(f"distgrad cannot read the source of {filename}, so a {what[0]} "
                            f"there cannot be run later. Put the code in a file or notebook "
@@ -68,13 +68,10 @@ def capture(frame, what: tuple = INVOKE_BODY) -> tuple:
     if known is not None and known[1] == source:
         _bodies[(filename, line)] = (lines, source, known[2])
         return known[2]
-    tree = _trees.get(filename)
-    if tree is None or tree[0] != source:
-        tree = _trees[filename] = (source, ast.parse(source, filename))
-    node = _innermost_with(tree[1], line)
+    node = find_with(frame, source)
     if node is None:
         raise RuntimeError(f"distgrad could not find the `with` statement at {filename}:{line}.")
-    if node.body[0].lineno <= max(item.context_expr.end_lineno for item in node.items):
+    if one_line_body(node):
         raise SyntaxError(f"{filename}:{line}: put the {what[0]} on its own lines; distgrad "
                           f"runs it later and cannot skip a one-line body.")
     code = compile(ast.Module(body=node.body, type_ignores=[]), filename, "exec")
@@ -88,14 +85,20 @@ def source_lines(frame) -> list:
     return linecache.getlines(frame.f_code.co_filename, frame.f_globals)
 
 
-def find_with(frame, lines: list):
-    """The ``with`` statement that ``frame`` is entering, parsed from ``lines``, or None."""
+def find_with(frame, source: str):
+    """The ``with`` statement that ``frame`` is entering, parsed from its file's ``source``
+    (kept parsed per file), or None."""
     filename = frame.f_code.co_filename
-    source = "".join(lines)
     tree = _trees.get(filename)
     if tree is None or tree[0] != source:
         tree = _trees[filename] = (source, ast.parse(source, filename))
     return _innermost_with(tree[1], frame.f_lineno)
+
+
+def one_line_body(node) -> bool:
+    """Whether the body starts on the with's own line (``with m.trace(x): y = ...``): such a
+    body cannot be skipped line by line."""
+    return node.body[0].lineno <= max(item.context_expr.end_lineno for item in node.items)
 
 
 def _first_real_line(body) -> int | None:

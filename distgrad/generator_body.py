@@ -14,6 +14,7 @@ import types
 
 from . import capture
 from .generator_survey import REQUESTS, Survey, checks_pass, has_request, is_backward
+from .paused import PAUSED
 
 _ARGS = ("_dg_out", "_dg_ns", "_dg_P", "_dg_leave", "_dg_ready", "_dg_body", "_dg_output",
          "_dg_grad", "_dg_set_grad", "_dg_save")
@@ -51,11 +52,10 @@ def plan_for(frame) -> Plan | None:
     in_class = not frame.f_code.co_flags & 0x02 and frame.f_locals is not frame.f_globals
     if lines and not in_class:
         try:
-            node = capture.find_with(frame, lines)
+            node = capture.find_with(frame, "".join(lines))
         except (SyntaxError, ValueError):
             node = None
-        if node is not None and node.body[0].lineno > max(item.context_expr.end_lineno
-                                                          for item in node.items):
+        if node is not None and not capture.one_line_body(node):
             try:
                 plan = _make_plan(frame, node)
             except SyntaxError:  # legal where it stands, not inside a function: run in place
@@ -112,11 +112,11 @@ def _compile(frame, node, params, body):
     return next(c for c in compiled.co_consts if isinstance(c, types.CodeType))
 
 
-def start(plan: Plan, frame, namespace: dict, driver, paused):
+def start(plan: Plan, frame, namespace: dict, driver):
     """A new generator of ``plan``'s body, with the frame's globals and its locals' values."""
     fn = types.FunctionType(plan.code, frame.f_globals)
     out: dict = {}
-    return fn(out, namespace, paused, driver.leave, driver.ready, driver.body, driver.output,
+    return fn(out, namespace, PAUSED, driver.leave, driver.ready, driver.body, driver.output,
               driver.grad, driver.set_grad, driver.save), out
 
 

@@ -36,7 +36,7 @@ from .envoy import Envoy
 from .errors import TraceStateError, check_replacement_grad
 from .gradpatch import _served
 from .paused import _HELPER, LEAVE, PAUSE_STOP, PAUSED
-from .run import Outcome, _Abort
+from .run import Outcome, _Abort, _outcome
 from .session import _UNSET, BODIES, Session, _passed
 
 _getcurrent = greenlet.getcurrent
@@ -46,8 +46,6 @@ _Tensor = torch.Tensor
 class GeneratorRun:
     """A forward or backward that the driver calls on its own stack (``resume`` runs it to the
     end); hooks resume the body inside it through ``GeneratorSession.hand``."""
-
-    glet = None
 
     def __init__(self, fn, driver, session):
         self.fn = fn
@@ -67,11 +65,7 @@ class GeneratorRun:
         glet = driver.glet
         body = BODIES.pop(glet, None)  # the run's other hooks (a library's) see no body
         try:
-            event = Outcome("done", self.fn())
-        except _Abort:
-            event = Outcome("aborted")
-        except BaseException as exc:  # handed to the body, as a greenlet run does
-            event = Outcome("error", exc)
+            event = _outcome(self.fn)  # an error is handed to the body, as a greenlet run does
         finally:
             self.running = False
             self.finished = True
@@ -224,8 +218,7 @@ class GeneratorDriver:
         stop = body.stop
         if stop is not None:
             body.stop = None
-            reply = stop.replacement
-            self.reply = stop.edited() if reply is _UNSET else reply
+            self.reply = stop.reply()
 
     # -- what the rewritten body calls --------------------------------------------------
     # output, grad and set_grad are the body's reads and gradient writes, with the common case

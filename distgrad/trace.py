@@ -136,10 +136,10 @@ class Trace:
 
     def _run_generator(self) -> None:
         """Run the skipped body as a generator (generator_run.py), then give its names back."""
-        from .generator_run import PAUSED, GeneratorDriver
+        from .generator_run import GeneratorDriver
         plan, frame = self.generator
         driver = GeneratorDriver(self.body)
-        gen, out = generator_body.start(plan, frame, frame.f_locals, driver, PAUSED)
+        gen, out = generator_body.start(plan, frame, frame.f_locals, driver)
         driver.attach(gen)
         self.body.driver = driver
         try:

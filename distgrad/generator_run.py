@@ -25,7 +25,6 @@ it fails at its first use, with a message that says what to do.
 from __future__ import annotations
 
 from collections import OrderedDict
-from functools import partial
 
 import greenlet
 import torch
@@ -41,6 +40,10 @@ from .session import _UNSET, BODIES, Session, _passed
 
 _getcurrent = greenlet.getcurrent
 _Tensor = torch.Tensor
+_GRAD_KEY = (None, None)  # a gradient stop's key: driver.grad's stops need none
+_OTHER_THREAD = ("distgrad: a hook fired on another thread or greenlet than the trace's. Set "
+                 "distgrad.config.body_mode = 'greenlet' (and, for an accelerator, "
+                 "backward_mode = 'thread').")
 
 
 class GeneratorRun:
@@ -88,13 +91,18 @@ class GeneratorSession(Session):
     def __init__(self, kind: str, fn, bodies: list, driver):
         super().__init__(kind, fn, bodies)
         self.driver = driver
-        self.body = driver.body  # the driver's, kept here too: _hand runs twice per read+edit
+        self.body = driver.body  # the driver's, kept here too: the hand-offs run per value
         self.glet = driver.glet
-        self.grad_hooks: list = []  # (hook dict, id) of each want_grad hook, removed at close
-        self.want_hid = None        # the id of the gradient hook the body waits for
+        # The one gradient hook the body waits for (driver.grad installs it): its hook dict and
+        # id. Only one is ever installed, so the hook needs no id check and removes itself.
+        self.want_hooks = None
+        self.want_hid = None
+        self.grad_ready = self._grad_ready  # the bound method, made once
         self.run = GeneratorRun(fn, driver, self)
         self.resume = self.run.resume
-        self.hand = self._hand
+        # A forward's points hand module values; a backward's (GradPoints, rare here: most
+        # gradients come through grad_ready) hand gradients.
+        self.hand = self._hand_value if kind == "forward" else self._hand
 
     def request_solo(self, body, key, passed_message, tensor=None, local=False):
         if self.finished:
@@ -112,49 +120,24 @@ class GeneratorSession(Session):
         driver.passed = passed_message
         return PAUSE_STOP
 
-    def want_grad(self, body, tensor, passed_message):
-        """The driver's gradient request: request_solo with a one-shot tensor hook instead of a
-        GradPoint. A tensor's gradient arrives once per backward and the body waits for one
-        value at a time, so the hook needs no call count and no wanted key: the session knows
-        the id of the hook it waits for. (About 60 bytecodes less per gradient.)"""
-        driver = self.driver
-        driver.leave_stop(True)
-        hooks = tensor._backward_hooks  # the entry Tensor.register_hook writes (see points.py)
-        if hooks is None:
-            hooks = tensor._backward_hooks = OrderedDict()
-            if tensor.grad_fn is not None:
-                tensor.grad_fn._register_hook_dict(tensor)
-        hid = RemovableHandle.next_id
-        RemovableHandle.next_id = hid + 1
-        hooks[hid] = partial(self._grad_ready, hid)
-        self.grad_hooks.append((hooks, hid))
-        self.want_hid = hid
-        stop = self.spare
-        stop.key = (None, hid)
-        stop.tensor = tensor
-        stop.replacement = _UNSET
-        driver.waiting = self
-        driver.passed = passed_message
-        return PAUSE_STOP
+    def drop_want(self) -> None:
+        """Remove the gradient hook the body waited for, if it never fired."""
+        hooks = self.want_hooks
+        if hooks is not None:
+            self.want_hooks = None
+            hooks.pop(self.want_hid, None)
 
-    def _grad_ready(self, hid, grad):
-        if hid != self.want_hid:
-            return None
-        self.want_hid = None
-        return self._hand(None, grad)
-
+    # The three hand-offs below resume the body (``driver.send``) and return what it put at its
+    # stop. _hand_value and _grad_ready are _hand's two common cases written out: together they
+    # run twice per read+edit, and each call layer costs about a microsecond here.
     def _hand(self, key, value):
-        """A hook's hand-off: give the body the value, let it run to its next request, and
-        return what it put here (None: leave the value as it is)."""
+        """A point's hand-off (any point: a module value, or a GradPoint's gradient)."""
         glet = self.glet
         if _getcurrent() is not glet:
-            raise RuntimeError("distgrad: a hook fired on another thread or greenlet than the "
-                               "trace's. Set distgrad.config.body_mode = 'greenlet' (and, for an "
-                               "accelerator, backward_mode = 'thread').")
+            raise RuntimeError(_OTHER_THREAD)
         driver = self.driver
         driver.waiting = None
-        if key is not None:  # not a want_grad hook
-            del self.wanted[key]
+        del self.wanted[key]
         stop = self.spare  # request_solo filled it but for the value
         body = self.body
         if stop.tensor is not None:  # a gradient: the body's own copy (see Stop)
@@ -165,7 +148,6 @@ class GeneratorSession(Session):
             body.labels[id(value)] = (value, point.path, point.suffix)
         stop.view = value
         body.stop = stop
-        # resume the body here (this runs twice per read+edit); its error unwinds the run
         BODIES[glet] = body
         try:
             driver.send(value)
@@ -180,13 +162,74 @@ class GeneratorSession(Session):
         reply, driver.reply = driver.reply, None
         return reply
 
+    def _hand_value(self, key, value):
+        """_hand for a forward's module point."""
+        glet = self.glet
+        if _getcurrent() is not glet:
+            raise RuntimeError(_OTHER_THREAD)
+        driver = self.driver
+        driver.waiting = None
+        del self.wanted[key]
+        body = self.body
+        if value.__class__ is _Tensor:  # named for error messages
+            point = key[0]
+            body.labels[id(value)] = (value, point.path, point.suffix)
+        stop = self.spare
+        stop.view = value
+        body.stop = stop
+        BODIES[glet] = body  # while the body runs (not while the run does: see GeneratorRun)
+        try:
+            driver.send(value)
+        except StopIteration:
+            driver._ended()
+        except BaseException as exc:
+            driver.ended = True
+            driver.error = exc
+            raise _Abort() from None
+        finally:
+            del BODIES[glet]
+        reply = driver.reply
+        driver.reply = None
+        return reply
+
+    def _grad_ready(self, grad):
+        """The hook driver.grad installs on the tensor whose gradient the body waits for."""
+        glet = self.glet
+        if _getcurrent() is not glet:
+            raise RuntimeError(_OTHER_THREAD)
+        hooks = self.want_hooks
+        if hooks is None:  # not waited for any more
+            return None
+        del hooks[self.want_hid]  # one-shot (PyTorch iterates over a copy of the hooks)
+        self.want_hooks = None
+        driver = self.driver
+        driver.waiting = None
+        value = grad.clone()  # the body's own copy (see Stop)
+        stop = self.spare
+        stop.version = value._version
+        stop.view = value
+        body = self.body
+        body.stop = stop
+        BODIES[glet] = body
+        try:
+            driver.send(value)
+        except StopIteration:
+            driver._ended()
+        except BaseException as exc:
+            driver.ended = True
+            driver.error = exc
+            raise _Abort() from None
+        finally:
+            del BODIES[glet]
+        reply = driver.reply
+        driver.reply = None
+        return reply
+
     def close(self) -> None:
         if self.run.running:
             self.run.close_later = True
             return
-        for hooks, hid in self.grad_hooks:
-            hooks.pop(hid, None)
-        self.grad_hooks.clear()
+        self.drop_want()
         super().close()
 
 
@@ -221,9 +264,10 @@ class GeneratorDriver:
             self.reply = stop.reply()
 
     # -- what the rewritten body calls --------------------------------------------------
-    # output, grad and set_grad are the body's reads and gradient writes, with the common case
-    # written out; anything else (errors included) goes through the property, which does the
-    # same in general. They save marginal.py's read+edit four calls and ~250 bytecodes.
+    # output and grad are the body's reads with the common case written out: the request, and
+    # leaving the stop the body was at, inline (each call layer costs about a microsecond
+    # here, and these run once per value). Anything else, errors included, goes through the
+    # property, which does the same in general.
     def output(self, envoy):
         """``envoy.output`` in the body: a plain envoy whose point is kept between traces."""
         if envoy.__class__ is not Envoy or envoy._call is not None or envoy._local:
@@ -233,6 +277,7 @@ class GeneratorDriver:
         if session is None or session.finished or body.block is not None:
             return envoy.output
         point = session.points.get((id(envoy._module), "output"))
+        stop = body.stop
         if point is None:  # Trace._new_point's common case: arm the kept point
             kept = envoy._kept
             point = kept.get("output") if kept is not None else None
@@ -242,17 +287,35 @@ class GeneratorDriver:
                     or (parent is not None and parent._path not in covered)):
                 return envoy.output
             point.arm(session)
-        else:
-            stop = body.stop
-            if stop is not None and stop.key[0] is point:  # at it already
-                if stop.local:
-                    return envoy.output  # raises: one value asked for in two forms
-                value = stop.replacement
-                return stop.view if value is _UNSET else value
-        return session.request_solo(body, (point, point.calls), point.passed).view
+        elif stop is not None and stop.key[0] is point:  # at it already
+            if stop.local:
+                return envoy.output  # raises: one value asked for in two forms
+            value = stop.replacement
+            return stop.view if value is _UNSET else value
+        if self.waiting is not None:  # the last request never reached the body's yield
+            self.waiting = None
+            raise TraceStateError(_HELPER)
+        if stop is not None:  # leave it: the hook returns what the body put there
+            body.stop = None
+            reply = stop.replacement
+            if reply is _UNSET:
+                reply = stop.edited() if stop.tensor is not None else None
+            self.reply = reply
+        key = (point, point.calls)
+        session.wanted[key] = 1
+        stop = session.spare
+        stop.key = key
+        stop.tensor = None
+        stop.local = False
+        stop.replacement = _UNSET
+        self.waiting = session
+        self.passed = point.passed
+        return PAUSED
 
     def grad(self, tensor):
-        """``tensor.grad`` in the body: at that gradient, or a graph tensor in an open block."""
+        """``tensor.grad`` in the body: at that gradient, or a graph tensor in an open block.
+        Waiting for a gradient takes a one-shot tensor hook (``session.grad_ready``), not a
+        GradPoint: a tensor's gradient arrives once per backward, so it needs no call count."""
         body = self.body
         stop = body.stop
         if stop is not None and stop.tensor is tensor:
@@ -265,8 +328,32 @@ class GeneratorDriver:
         session = block.session
         if session is None or session.finished:
             return tensor.grad
-        return session.want_grad(body, tensor,
-                                 lambda: grad_passed(block.tensor, tensor, body)).view
+        if self.waiting is not None:
+            self.waiting = None
+            raise TraceStateError(_HELPER)
+        if stop is not None:
+            body.stop = None
+            reply = stop.replacement
+            if reply is _UNSET:
+                reply = stop.edited() if stop.tensor is not None else None
+            self.reply = reply
+        hooks = tensor._backward_hooks  # the entry Tensor.register_hook writes (see points.py)
+        if hooks is None:
+            hooks = tensor._backward_hooks = OrderedDict()
+            if tensor.grad_fn is not None:
+                tensor.grad_fn._register_hook_dict(tensor)
+        hid = RemovableHandle.next_id
+        RemovableHandle.next_id = hid + 1
+        hooks[hid] = session.grad_ready
+        session.want_hooks = hooks
+        session.want_hid = hid
+        stop = session.spare
+        stop.key = _GRAD_KEY
+        stop.tensor = tensor
+        stop.replacement = _UNSET
+        self.waiting = session
+        self.passed = lambda: grad_passed(block.tensor, tensor, body)
+        return PAUSED
 
     def save(self, obj):
         """``obj.save()`` in the body (Tensor.save's common case, written out)."""
@@ -345,7 +432,7 @@ class GeneratorDriver:
         elif waiting is session:  # the run ended before the key the body waits for
             self.waiting = None
             session.wanted.clear()
-            session.want_hid = None
+            session.drop_want()
             self._step(self.gen.throw,
                        event.value if event.kind == "error" else _passed(self.passed))
         elif event.kind == "error":

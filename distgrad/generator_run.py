@@ -4,16 +4,17 @@ The greenlet design (``run.py``) pauses the model's run in a second greenlet and
 twice per value the body asks for. ``benchmarks/marginal.py`` measures that switching at 20-30 us
 per read+edit on this machine, above the 20 us a read+edit may cost in all. So where a body
 allows it (``generator_survey.py`` decides; ``generator_body.py`` rewrites each ``.output`` /
-``.grad`` into a ``yield``), the roles turn round: the trace calls the forward (and later the backward) itself,
-on its own stack, and the hook that produces a wanted value resumes the body in place with
+``.grad`` into a ``yield``), the roles turn round: the trace calls the forward (and later the
+backward) itself, on its own stack, and the hook that produces a wanted value resumes the body in place with
 ``gen.send(value)``. The body runs until it asks for its next value and yields; the hook returns
 what the body put at its stop, and the run goes on.
 
 The protocol with the body, in three marks:
 
-* a request the run cannot serve yet returns ``PAUSE_STOP`` (its view is ``PAUSED``), which the
-  rewritten body yields. ``driver.waiting`` is the session whose value it waits for (the key
-  is that session's one wanted key, or for a gradient the id of its one-shot hook);
+* a request the run cannot serve yet returns ``PAUSED`` (the general path returns
+  ``PAUSE_STOP``, whose view it is), which the rewritten body yields. ``driver.waiting`` is the
+  session whose value it waits for: that session's one wanted key, or for a gradient its one
+  installed gradient hook (``session.want_hooks``);
 * ``leave()``: the body needs the run it is inside to finish (before a backward block opens, and
   when one closes). The hook returns and the run goes on to its end;
 * the body's end, or its exception. An exception inside a hook unwinds the run with ``_Abort``
@@ -25,6 +26,7 @@ it fails at its first use, with a message that says what to do.
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import partial
 
 import greenlet
 import torch
@@ -270,23 +272,30 @@ class GeneratorDriver:
     # property, which does the same in general.
     def output(self, envoy):
         """``envoy.output`` in the body: a plain envoy whose point is kept between traces."""
-        if envoy.__class__ is not Envoy or envoy._call is not None or envoy._local:
+        if envoy.__class__ is not Envoy:
             return envoy.output
         body = self.body
         session = body.trace.forward
         if session is None or session.finished or body.block is not None:
             return envoy.output
-        point = session.points.get((id(envoy._module), "output"))
+        # The point this envoy keeps between traces (Trace._new_point made it), if this session
+        # armed it or may arm it now; any other case takes the property. (`.call(i)` and
+        # `.local` envoys keep no point.)
+        kept = envoy._kept
+        point = kept.get("output") if kept is not None else None
+        if point is None:
+            return envoy.output
         stop = body.stop
-        if point is None:  # Trace._new_point's common case: arm the kept point
-            kept = envoy._kept
-            point = kept.get("output") if kept is not None else None
+        armed = point.session
+        if armed is None:  # Trace._new_point's common case: arm the kept point
             covered = session.covered
             parent = envoy._parent
-            if (point is None or point.session is not None or not covered
-                    or (parent is not None and parent._path not in covered)):
+            if (not covered or (parent is not None and parent._path not in covered)
+                    or point.key in session.points):  # another envoy's point has the module
                 return envoy.output
             point.arm(session)
+        elif armed is not session:
+            return envoy.output
         elif stop is not None and stop.key[0] is point:  # at it already
             if stop.local:
                 return envoy.output  # raises: one value asked for in two forms
@@ -352,7 +361,8 @@ class GeneratorDriver:
         stop.tensor = tensor
         stop.replacement = _UNSET
         self.waiting = session
-        self.passed = lambda: grad_passed(block.tensor, tensor, body)
+        # (a partial, not a lambda: a closure would make cells of three locals on every call)
+        self.passed = partial(grad_passed, block.tensor, tensor, body)
         return PAUSED
 
     def save(self, obj):

@@ -86,7 +86,7 @@ class BackwardTracer:
                     return self
                 body.trace.finish_forward()
             if body.driver is not None:  # a body run as a generator (generator_run.py)
-                from .generator_run import GeneratorSession
+                from .generator_session import GeneratorSession
                 self.session = GeneratorSession("backward", self._run, [body], body.driver)
             else:
                 self.session = Session("backward", self._run, [body],

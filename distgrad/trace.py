@@ -204,7 +204,7 @@ class Trace:
         call = self.engine.generate if self.method == "generate" else self.engine.forward
         size = batching.batch_size(args, kwargs) if bodies[0].rows is not None else 0
         if bodies[0].driver is not None:  # a body run as a generator
-            from .generator_run import GeneratorSession
+            from .generator_session import GeneratorSession
             return GeneratorSession("forward", lambda: call(args, kwargs), bodies,
                                     bodies[0].driver)
         return Session("forward", lambda: call(args, kwargs), bodies, size=size,

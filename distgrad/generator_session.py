@@ -102,40 +102,18 @@ class GeneratorSession(Session):
             self.want_hooks = None
             hooks.pop(self.want_hid, None)
 
-    # The three hand-offs below resume the body (``driver.send``) and return what it put at its
-    # stop. _hand_value and _grad_ready are _hand's two common cases written out: together they
-    # run twice per read+edit, and each call layer costs about a microsecond here.
+    # _hand_value and _grad_ready resume the body (``driver.send``) and return what it put at
+    # its stop. Each is written out in full: together they run twice per read+edit, and each
+    # call layer costs about a microsecond here. _hand, the rare general case, reuses them.
     def _hand(self, key, value):
-        """A point's hand-off (any point: a module value, or a GradPoint's gradient)."""
-        glet = self.glet
-        if _getcurrent() is not glet:
-            raise RuntimeError(_OTHER_THREAD)
-        driver = self.driver
-        driver.waiting = None
+        """A point's hand-off: a module value (the forward's points), or a GradPoint's gradient
+        (a backward's, for the requests driver.grad does not take, e.g. ``t.grad = g`` before
+        the body is at t's gradient)."""
+        if self.spare.tensor is None:
+            return self._hand_value(key, value)
         del self.wanted[key]
-        stop = self.spare  # request_solo filled it but for the value
-        body = self.body
-        if stop.tensor is not None:  # a gradient: the body's own copy (see Stop)
-            value = value.clone()
-            stop.version = value._version
-        elif value.__class__ is _Tensor:
-            point = key[0]
-            body.labels[id(value)] = (value, point.path, point.suffix)
-        stop.view = value
-        body.stop = stop
-        BODIES[glet] = body
-        try:
-            driver.send(value)
-        except StopIteration:
-            driver._ended()
-        except BaseException as exc:
-            driver.ended = True
-            driver.error = exc
-            raise _Abort() from None
-        finally:
-            del BODIES[glet]
-        reply, driver.reply = driver.reply, None
-        return reply
+        self.want_hooks = {}  # nothing for _grad_ready to remove: the GradPoint goes at close
+        return self._grad_ready(value)
 
     def _hand_value(self, key, value):
         """_hand for a forward's module point."""
@@ -175,7 +153,7 @@ class GeneratorSession(Session):
         hooks = self.want_hooks
         if hooks is None:  # not waited for any more
             return None
-        del hooks[self.want_hid]  # one-shot (PyTorch iterates over a copy of the hooks)
+        hooks.pop(self.want_hid, None)  # one-shot (PyTorch iterates over a copy of the hooks)
         self.want_hooks = None
         driver = self.driver
         driver.waiting = None

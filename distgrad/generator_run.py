@@ -5,9 +5,9 @@ twice per value the body asks for. ``benchmarks/marginal.py`` measures that swit
 per read+edit on this machine, above the 20 us a read+edit may cost in all. So where a body
 allows it (``generator_survey.py`` decides; ``generator_body.py`` rewrites each ``.output`` /
 ``.grad`` into a ``yield``), the roles turn round: the trace calls the forward (and later the
-backward) itself, on its own stack, and the hook that produces a wanted value resumes the body in place with
-``gen.send(value)``. The body runs until it asks for its next value and yields; the hook returns
-what the body put at its stop, and the run goes on.
+backward) itself, on its own stack, and the hook that produces a wanted value resumes the body
+in place with ``gen.send(value)`` (``generator_session.py``). The body runs until it asks for its
+next value and yields; the hook returns what the body put at its stop, and the run goes on.
 
 The protocol with the body, in three marks:
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from torch import nn
 
 import distgrad
-from cases import close, expect_error, expect_failure_of_rank1  # noqa: E402  (tests/dist is the script's folder)
+# tests/dist is the job script's folder
+from cases import close, expect_error, expect_failure_of_rank1  # noqa: E402
 from distgrad.demo_pp import build
 
 

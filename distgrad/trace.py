@@ -88,7 +88,8 @@ class Trace:
             frame = sys._getframe(1)
             code, names, first_line = capture.capture(frame, capture.PIPELINE_BODY)
             self.captured = (code, names, frame)
-        elif self.engine.generator_bodies and _generator_bodies(self):
+        elif (self.engine.generator_bodies and self.engine.views is None
+              and _generator_bodies(self)):  # (views: values shown whole, the general path)
             frame = sys._getframe(1)
             plan = generator_body.plan_for(frame)
             if plan is not None and plan.allowed(frame.f_locals, frame):

@@ -40,6 +40,7 @@ class AccelerateEngine(Engine):
     rank = property(lambda self: self.inner.rank)
     world_size = property(lambda self: self.inner.world_size)
     views = property(lambda self: self.inner.views)
+    generator_bodies = property(lambda self: self.inner.generator_bodies)
 
     def forward(self, args, kwargs):
         return self.inner.forward(args, kwargs)

@@ -54,8 +54,11 @@ class Exchange:
     """One per engine. Every rank keeps the same view of the previous trace (all ranks' layouts
     and the plan cut from them), so a rank whose layout repeats need not send it again."""
 
-    def __init__(self, group, rank: int, world: int):
+    def __init__(self, group, rank: int, world: int, wait=None):
         self.group, self.rank, self.world = group, rank, world
+        # how to wait for the collective: the engine's wait reads the job's failure key between
+        # slices, so a peer that failed (and said so) cannot leave this rank waiting
+        self._wait = wait if wait is not None else _plain_wait
         self.capacity = 0
         self._plans: dict = {}
         self._buffers = None  # ((size, device), send, receive, headers, rows), reused
@@ -126,7 +129,7 @@ class Exchange:
                 self._bound = tensors, pack.block
                 for tensor, value in zip(tensors, early[1]):
                     tensor.data = value
-            work.wait()
+            self._wait(work)
             heads = heads.tolist()  # every rank's header
             if expect and heads == steady:  # as expected: nothing to check, nothing to plan
                 self._last, self._prev, self._steady = last, prev, steady
@@ -189,6 +192,10 @@ class Exchange:
             cached = self._buffers = ((size, device), send, gathered,
                                       rows[:, :_START].view(torch.int64), rows)
         return cached[1:]
+
+
+def _plain_wait(work) -> None:
+    work.wait()
 
 
 def _layout(meta: tuple) -> list:

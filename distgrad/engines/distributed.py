@@ -38,6 +38,9 @@ from .base import Engine
 
 class DistributedEngine(Engine):
     sharded_params = False  # True: a parameter's .grad through distgrad is a collective
+    # DDP, FSDP and ZeRO run their forward and backward as plain calls on this thread, so a
+    # trace body may run as a generator there (tensor parallel and pipelines say no)
+    generator_bodies = True
 
     def __init__(self, wrapped, group=None, gather: bool = True):
         super().__init__(wrapped)
@@ -55,7 +58,8 @@ class DistributedEngine(Engine):
         self._traces = 0   # traces ended (incremented as end_trace starts)
         self._running = 1  # the number of the trace running, or of the last one (keys use it)
         # gather=False: every rank already holds the global values (tensor parallel alone)
-        self._exchange = collective.Exchange(self.group, self._rank, self._world) if gather else None
+        self._exchange = (collective.Exchange(self.group, self._rank, self._world,
+                                              wait=self.wait_in_slices) if gather else None)
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
         self._store = _store()

@@ -90,23 +90,31 @@ def case_read_edit(model, wrapped, rank, world):
     sizes = [2] * world
     ids = global_ids(sum(sizes))
     local = ids[rows_of(rank, sizes)]
-    with model.trace(local):
-        a1 = model.transformer.h[0].output
-        h1 = model.transformer.h[1].output.save()
-        loss = model.output.logits.sum() * SCALE
-        with loss.backward():
-            g = a1.grad.save()
-            a1.grad = a1.grad * 2
     ref = oracle(ids, edit=2.0)
-    if rank == 0:
-        close(g, ref["g0"], "gathered h[0] gradient")
-        close(h1, ref["h1"], "gathered h[1] output")
-    else:
-        close(g, ref["g0"][rows_of(rank, sizes)], "rank-local h[0] gradient")
-    for name in PARAMS:  # a collective on sharded engines: every rank reads
-        got = param_envoy(model, name).grad
-        close(got, ref["params"][name] / world, f"reduced grad of {name}")
-    clear_grads(wrapped)
+    # the body as a generator the engine's hooks resume (the default here), then in place
+    for mode in ("auto", "greenlet"):
+        distgrad.config.body_mode = mode
+        try:
+            with model.trace(local) as tr:
+                a1 = model.transformer.h[0].output
+                h1 = model.transformer.h[1].output.save()
+                loss = model.output.logits.sum() * SCALE
+                with loss.backward():
+                    g = a1.grad.save()
+                    a1.grad = a1.grad * 2
+        finally:
+            distgrad.config.body_mode = "auto"
+        if (tr.generator is not None) != (mode == "auto"):
+            raise AssertionError(f"body_mode={mode!r}: generator plan {tr.generator!r}")
+        if rank == 0:
+            close(g, ref["g0"], f"gathered h[0] gradient ({mode})")
+            close(h1, ref["h1"], f"gathered h[1] output ({mode})")
+        else:
+            close(g, ref["g0"][rows_of(rank, sizes)], f"rank-local h[0] gradient ({mode})")
+        for name in PARAMS:  # a collective on sharded engines: every rank reads
+            got = param_envoy(model, name).grad
+            close(got, ref["params"][name] / world, f"reduced grad of {name} ({mode})")
+        clear_grads(wrapped)
 
 
 def case_saves(model, wrapped, rank, world):

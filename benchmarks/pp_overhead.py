@@ -56,7 +56,10 @@ def main():
         schedule.step(*((x,) if first else ()), **({"target": y} if last else {}))
 
     owns = 1 in layers_of(net, rank, world, interleaved)
-    fns = pipeline_steps(model, net, x, y, step, owns_layer1=owns)
+    owner = next(r for r in range(world) if 1 in layers_of(net, r, world, interleaved))
+    send_to = {"group": dist.new_group(backend="gloo"), "owner": owner, "n": 4,
+               "peers": [r for r in range(world) if r != owner]}
+    fns = pipeline_steps(model, net, x, y, step, owns_layer1=owns, send_to=send_to)
     for fn in fns.values():
         fn()
     net.zero_grad(set_to_none=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 
-def pipeline_steps(model, net, x, y, step, owns_layer1: bool) -> dict:
+def pipeline_steps(model, net, x, y, step, owns_layer1: bool, send_to: dict | None = None) -> dict:
     """``{name: step function}``. ``step()`` runs the schedule's step as raw hooks need it;
     ``owns_layer1``: whether this rank runs ``net.layers[1]`` (raw hooks act only there). The
     step: save layers[1]'s output and its gradient, and double that gradient."""
@@ -40,7 +40,52 @@ def pipeline_steps(model, net, x, y, step, owns_layer1: bool) -> dict:
             with tr.loss.backward():
                 pass
 
-    return {"raw hooks": raw, "distgrad": traced, "distgrad, a body that reads nothing": traced_empty}
+    steps = {"raw hooks": raw}
+    if send_to is not None:
+        steps["raw hooks, values sent by hand"] = _raw_sent(net, step, owns_layer1, send_to, x)
+    steps.update({"distgrad": traced, "distgrad, a body that reads nothing": traced_empty})
+    return steps
+
+
+def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x) -> callable:
+    """The raw step that also ends with the values on every rank, as distgrad's body does: the
+    owner's hooks send layers[1]'s output and gradient of each microbatch to every other rank
+    as they appear (``isend`` on a group of their own); the other ranks post the receives before
+    the step into buffers kept across steps and wait for them after it. ``send_to``:
+    ``{"group": the group, "peers": the other ranks, "owner": layers[1]'s rank, "n": the
+    microbatches}``. The schedule's first step infers its shapes by running the stage on real
+    tensors, which fires the hooks too: run another step before this one (the benchmarks' first
+    variant, ``raw``, does)."""
+    import torch
+    import torch.distributed as dist
+    group, peers, owner, n = send_to["group"], send_to["peers"], send_to["owner"], send_to["n"]
+    rows = x.shape[0] // n
+    buffers = [torch.empty(rows, x.shape[1]) for _ in range(2 * n)]
+
+    def raw_sent():
+        kept, works = [], []
+        if owns_layer1:
+            def on_grad(grad):
+                kept.append(grad.clone())
+                works.extend(dist.isend(grad, p, group=group, tag=len(kept)) for p in peers)
+                return grad * 2
+
+            def on_output(module, inputs, out):
+                value = out.detach()
+                kept.append(value)
+                works.extend(dist.isend(value, p, group=group, tag=len(kept)) for p in peers)
+                out.register_hook(on_grad)
+
+            handle = net.layers[1].register_forward_hook(on_output)
+        else:
+            works = [dist.irecv(buf, owner, group=group, tag=i + 1) for i, buf in enumerate(buffers)]
+        step()
+        if owns_layer1:
+            handle.remove()
+        for work in works:
+            work.wait()
+        return kept if owns_layer1 else [b.clone() for b in buffers]
+    return raw_sent
 
 
 def one_process_steps(width: int, port: str) -> tuple:

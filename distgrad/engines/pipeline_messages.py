@@ -43,6 +43,8 @@ _CAP = 1 << 16    # bytes of a batch in its first message
 _META = 14        # int64s per value: tag, dtype code, requires_grad, ndim, shape (9), nbytes
 _ALIGN = 16       # payloads start at multiples of this, so that they view as any dtype
 _ZEROS = [(0,) * (_META - 5 - n) for n in range(_META - 4)]  # shape padding by ndim
+_META_BYTES = struct.Struct(f"<{_META}q").pack  # one value's metadata, packed as it is queued
+_HEAD = struct.Struct("<2q").pack  # a batch's total bytes and its number of values
 _SPARE: list = []  # receive buffers whose batches are unpacked, for the next receives
 
 
@@ -89,6 +91,8 @@ class Messages(RequestChecks):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"distgrad sends only tensors between pipeline stages; this value is "
                             f"a {type(value).__name__}. Read a tensor inside it on its stage.")
+        if not keys:  # no other rank (a one-rank pipeline): nothing to pack
+            return
         entry = _entry(value, tag)
         for dst, key in keys.items():
             if key in self.sent:
@@ -273,10 +277,10 @@ class Messages(RequestChecks):
 
 
 def _entry(value: torch.Tensor, tag: int) -> tuple:
-    """``value`` as it is now, for a batch: its metadata (``_META`` int64s) and its bytes,
-    padded to ``_ALIGN``. The bytes are taken now because the body may edit the value in place
-    before the batch goes (gloo and the packing work on host memory: a GPU value is copied to
-    the host here)."""
+    """``value`` as it is now, for a batch: its metadata (``_META`` int64s, packed) and its
+    bytes, padded to ``_ALIGN``. The bytes are taken now because the body may edit the value in
+    place before the batch goes (gloo and the packing work on host memory: a GPU value is copied
+    to the host here)."""
     shape = value.shape
     ndim = len(shape)
     if ndim > _META - 5:
@@ -298,8 +302,8 @@ def _entry(value: torch.Tensor, tag: int) -> tuple:
     nbytes = len(raw)
     if nbytes % _ALIGN:
         raw += bytes(_ALIGN - nbytes % _ALIGN)
-    return ([tag, _CODE[value.dtype], int(value.requires_grad), ndim, *shape, *_ZEROS[ndim],
-             nbytes], raw)
+    return (_META_BYTES(tag, _CODE[value.dtype], int(value.requires_grad), ndim, *shape,
+                        *_ZEROS[ndim], nbytes), raw)
 
 
 def _values(view: memoryview, count: int, device: torch.device) -> list:
@@ -344,9 +348,10 @@ def _round(n: int) -> int:
 def _pack(entries: list) -> torch.Tensor:
     """One batch as bytes: [total bytes, count], each value's metadata, then the values, each
     starting at a multiple of ``_ALIGN`` (the header is one: 16 + 112 bytes per value)."""
-    meta = [n for item, _ in entries for n in item]
-    total = 16 + 8 * len(meta) + sum(len(raw) for _, raw in entries)
-    out = bytearray(struct.pack(f"<{2 + len(meta)}q", total, len(entries), *meta))
+    metas = b"".join([meta for meta, _ in entries])  # each packed already (_entry)
+    total = 16 + len(metas) + sum([len(raw) for _, raw in entries])
+    out = bytearray(_HEAD(total, len(entries)))
+    out += metas
     for _, raw in entries:
         out += raw
     return torch.frombuffer(out, dtype=torch.uint8)

@@ -177,17 +177,18 @@ class PipelineRun(BodyRequests):
             if found is not None:
                 self._deliver(found, wake)
                 continue
-            waiting = [b for b in bodies if id(b) in todo]
             if session.finished:
-                for body in waiting:
+                for body in [b for b in bodies if id(b) in todo]:
                     body.remote_value = None  # what it waits for never comes: it raises
                     wake(body)
                 continue
             for key in waiting_for:
                 wanted[key] = 1
             # a local value may already have passed: notice when, for this advance only
+            # (a body that ended, or waits for anything else, has no passed_at: no need to
+            # pick out the waiting ones, which cost a list a turn)
             marks = []
-            for body in waiting:
+            for body in bodies:
                 mark = body.passed_at
                 if mark is not None and mark not in wanted:
                     wanted[mark] = 1
@@ -205,7 +206,7 @@ class PipelineRun(BodyRequests):
                     if body.stop is not None and body.pending is not None:
                         wake(body)
             elif key[0].__class__ is _Phase:  # a mark: bodies whose value has passed raise
-                for body in waiting:
+                for body in bodies:
                     if body.passed_at == key:
                         wake(body)
 

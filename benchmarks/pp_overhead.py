@@ -8,7 +8,9 @@ The 4-block MLP of distgrad/demo_pp.py (widened to 256 so that a step is not all
 step: save layers[1]'s output (stage 0) and its gradient, and double that gradient. Raw hooks
 do it on the owning stage only: a forward hook that keeps the output and registers a tensor hook
 that keeps the gradient and returns it doubled. distgrad also sends the values to the other
-stage (every rank ends with them) and joins the microbatches. Rank 0 prints medians and the ratio.
+stage (every rank ends with them) and joins the microbatches; so does the variant "raw hooks,
+values sent by hand" (``pp_steps._raw_sent``), the like-for-like baseline. Rank 0 prints
+medians and the ratios.
 ``--schedule interleaved``: ScheduleInterleaved1F1B over one block per stage, two stages per rank
 (layers[1] is then rank 1's).
 """

@@ -78,7 +78,8 @@ def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x) -> callable:
 
             handle = net.layers[1].register_forward_hook(on_output)
         else:
-            works = [dist.irecv(buf, owner, group=group, tag=i + 1) for i, buf in enumerate(buffers)]
+            works = [dist.irecv(buf, owner, group=group, tag=i + 1)
+                     for i, buf in enumerate(buffers)]
         step()
         if owns_layer1:
             handle.remove()

@@ -72,7 +72,7 @@ class LossPoint:
 class PipelineEngine(DistributedEngine):
     name = "pipeline"
     captures_body = True  # the trace body runs once per microbatch
-    generator_bodies = False  # (its bodies are greenlets its scheduler runs in turns)
+    generator_bodies = False  # (its bodies are greenlets that the step's hooks wake)
 
     def __init__(self, schedule, full_model: torch.nn.Module):
         stages = getattr(schedule, "_stages", None)

@@ -117,10 +117,12 @@ class BodyRequests:
         event after which it has passed marked on the body while it waits (the scheduler's
         marks read it; a stale mark would wake the body at the wrong event later)."""
         body.passed_at = passed_at
+        self.marks[passed_at] = body  # (the direct step's marks: pipeline_direct.py)
         try:
             return self.session.request(body, key, passed_message)
         finally:
             body.passed_at = None
+            self.marks.pop(passed_at, None)
 
     def _send(self, value, tag: int, microbatch: int, forward: bool, stage: int) -> None:
         """Queue a value of this rank's ``stage`` for every other rank, in the batch of the

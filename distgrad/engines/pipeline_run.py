@@ -1,7 +1,9 @@
 """One pipeline trace (see ``pipeline.py``): the schedule's step as the run, one body per
 microbatch as a coroutine of it, values of other stages received at the moments the module text
 of ``pipeline.py`` lists, and the saved names joined across microbatches at the end. What each
-body asks for is served by ``pipeline_requests.py``."""
+body asks for is served by ``pipeline_requests.py``. On one thread the step runs on the trace's
+stack and its hooks wake the bodies (``pipeline_direct.py``); in thread mode (CUDA) it runs in a
+worker thread and ``_schedule`` below runs the bodies in turns."""
 from __future__ import annotations
 
 import functools
@@ -13,11 +15,12 @@ from ..backward import step_threaded
 from ..run import BodyRunners
 from ..session import BODIES, Body, Session
 from .pipeline import LossPoint, PipelineEngine, joined
+from .pipeline_direct import DirectSteps
 from .pipeline_messages import _MOST_MICROBATCHES, Messages
 from .pipeline_requests import BodyRequests
 
 
-class PipelineRun(BodyRequests):
+class PipelineRun(BodyRequests, DirectSteps):
     """One trace: the step as a run, one body per microbatch, remote values delivered."""
 
     def __init__(self, engine: PipelineEngine, trace):
@@ -34,6 +37,8 @@ class PipelineRun(BodyRequests):
         self.others = [(r, stages) for r, stages in engine.stages_of_rank.items()
                        if r != engine._job_rank]
         self.session = None
+        self.marks: dict = {}     # event key -> the body whose local value has passed by then
+        self.direct = False       # the step on this stack, bodies woken by hooks (DirectSteps)
 
     # -- the trace --------------------------------------------------------------------------
     def run(self, code, names, frame) -> None:
@@ -48,12 +53,15 @@ class PipelineRun(BodyRequests):
         for body in bodies:
             body.seq, body.last_stage, body.loss = 0, -1, None
             # while it waits for a local forward value or loss: the event after which that
-            # value has passed (the scheduler's marks), else None
+            # value has passed (the marks: the scheduler's, or self.marks), else None
             body.passed_at = None
         # On CUDA the schedule's backward calls tensor hooks on autograd's device threads, so
-        # the step then runs in a worker thread that accepts hand-offs from any thread.
+        # the step then runs in a worker thread that accepts hand-offs from any thread, and the
+        # scheduler below runs the bodies; on one thread the hooks wake them (DirectSteps).
+        threaded = step_threaded()
+        self.direct = not threaded
         self.session = session = Session("forward", lambda: engine.run_step(args, kwargs), bodies,
-                                         threaded=step_threaded())
+                                         threaded=threaded)
         trace.pipeline = self
         spaces = [{**frame.f_globals, **frame.f_locals} for _ in bodies]
         runners = BodyRunners({body: (lambda space=space: exec(code, space))
@@ -63,14 +71,17 @@ class PipelineRun(BodyRequests):
         try:
             if 0 not in self.mine:  # it idles until the first activation comes anyway
                 self.messages.post_check_receives()
-            self._schedule(bodies, runners)
-            # Every request is made, so nothing more joins the "end" batches: they go now, not
-            # when the step ends, since a peer's bodies and its part of the check wait for them.
-            # Then the check of the requests, which travels while the step runs on.
-            if "end" not in self.messages.sent:
-                self.messages.flush("end")
-            self.messages.start_check()
-            session.finish()  # the bodies are done; the step runs on with their last replies
+            if self.direct:
+                self._run_direct(bodies, runners, args, kwargs)
+            else:
+                self._schedule(bodies, runners)
+                # Every request is made, so nothing more joins the "end" batches: they go now,
+                # not when the step ends, since a peer's bodies and its part of the check wait
+                # for them. Then the check of the requests, which travels while the step runs.
+                if "end" not in self.messages.sent:
+                    self.messages.flush("end")
+                self.messages.start_check()
+                session.finish()  # the bodies are done; the step runs on with their replies
             self.messages.finish()
         finally:
             engine.answering.remove(self.messages)
@@ -155,7 +166,10 @@ class PipelineRun(BodyRequests):
 
     def _event(self, key) -> None:
         self.fired.add(key)
-        if key in self.waiting or key in self.session.wanted:
+        if self.direct:
+            if key in self.waiting or key in self.marks:
+                self._event_direct(key)
+        elif key in self.waiting or key in self.session.wanted:
             self.session.hand((_PHASES[key[0]], key[1], key[2]), None)
 
     # -- the scheduler ----------------------------------------------------------------------

@@ -66,11 +66,17 @@ def oracle(x, y, m):
     return seen
 
 
-def case_read_edit(model, net, ctx):
+def case_read_edit(model, net, ctx, on_trace_stack=True):
     """Reads on every stage, an edit that uses another stage's value, a gradient edit that
-    flows back across stages, the per-microbatch losses; all on every rank."""
+    flows back across stages, the per-microbatch losses; all on every rank. On one thread the
+    step runs on the trace's own stack, its hooks waking the bodies (pipeline_direct.py);
+    ``on_trace_stack=False``: in the worker thread, the scheduler running the bodies."""
+    import greenlet
     m = ctx["m"]
     x, y = batch()
+    trace_glet, where = greenlet.getcurrent(), []
+    handle = ctx["stages"][0].submod.register_forward_hook(
+        lambda *_: where.append(greenlet.getcurrent() is trace_glet))
     with model.trace(x, target=y) as tr:
         h0 = model.layers[0].output.save()
         h1 = model.layers[1].output.save()
@@ -84,6 +90,10 @@ def case_read_edit(model, net, ctx):
             g3 = h3.grad.save()
             g1 = h1.grad.save()
             h1.grad = h1.grad * 2                               # applied by layer 1's stage
+    handle.remove()
+    # (m calls, and one more in a job's first step: the schedule infers its shapes)
+    assert len(where) >= m and set(where) == {on_trace_stack}, \
+        f"the stage's forward ran on the trace's stack: {where}"
     ref = oracle(x, y, m)
     close(h0, ref["h0"], "layers[0] output")
     close(h1, ref["h1"], "layers[1] output")
@@ -104,7 +114,7 @@ def case_read_edit_thread(model, net, ctx):
     tensor hooks on autograd's device threads)."""
     distgrad.config.backward_mode = "thread"
     try:
-        case_read_edit(model, net, ctx)
+        case_read_edit(model, net, ctx, on_trace_stack=False)
     finally:
         distgrad.config.backward_mode = "auto"
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import greenlet
 
 from ..run import _Abort
-from ..session import Stop
+from ..session import BODIES, Stop
 
 _getcurrent = greenlet.getcurrent
 
@@ -36,11 +36,15 @@ class DirectSteps:
     def _run_direct(self, bodies, runners, args, kwargs) -> None:
         session, messages = self.session, self.messages
         self.runners, self.main = runners, _getcurrent()
-        self.in_step, self.body_error, self.checked = False, None, False
+        self.body_error, self.checked = None, False
         session.hand = self._hand_direct
         for body in bodies:  # each runs to its first request
             self._wake(body)
-        self.in_step = True
+        # The trace's own body is registered for this greenlet (trace.py); while the step runs
+        # here it is not, so that the schedule's code and other libraries' hooks in it (an
+        # optimizer in DeepSpeed's train_batch) get PyTorch's own `.grad`, as in a greenlet of
+        # its own (gradpatch.py).
+        trace_body = BODIES.pop(self.main, None)
         try:
             self.engine.run_step(args, kwargs)
         except _Abort:
@@ -49,7 +53,8 @@ class DirectSteps:
                 raise
             raise error from None
         finally:
-            self.in_step = False
+            if trace_body is not None:
+                BODIES[self.main] = trace_body
             session.finished = True
         # The step is over: this rank's "end" batches go before any body waits for a peer's
         # (no cycle between ranks), then the bodies that wait for "end" take theirs, and any

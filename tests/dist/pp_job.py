@@ -71,12 +71,20 @@ def case_read_edit(model, net, ctx, on_trace_stack=True):
     flows back across stages, the per-microbatch losses; all on every rank. On one thread the
     step runs on the trace's own stack, its hooks waking the bodies (pipeline_direct.py);
     ``on_trace_stack=False``: in the worker thread, the scheduler running the bodies."""
+    import warnings
+
     import greenlet
     m = ctx["m"]
     x, y = batch()
     trace_glet, where = greenlet.getcurrent(), []
-    handle = ctx["stages"][0].submod.register_forward_hook(
-        lambda *_: where.append(greenlet.getcurrent() is trace_glet))
+
+    def other_library(module, args, out):  # a hook of someone else's inside the step
+        where.append(greenlet.getcurrent() is trace_glet)
+        with warnings.catch_warnings():  # (a non-leaf's .grad warns)
+            warnings.simplefilter("ignore")
+            assert out.grad is None, "a hook in the step got distgrad's .grad, not PyTorch's"
+
+    handle = ctx["stages"][0].submod.register_forward_hook(other_library)
     with model.trace(x, target=y) as tr:
         h0 = model.layers[0].output.save()
         h1 = model.layers[1].output.save()

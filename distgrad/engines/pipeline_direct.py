@@ -45,17 +45,19 @@ class DirectSteps:
         # optimizer in DeepSpeed's train_batch) get PyTorch's own `.grad`, as in a greenlet of
         # its own (gradpatch.py).
         trace_body = BODIES.pop(self.main, None)
+        error = None
         try:
             self.engine.run_step(args, kwargs)
         except _Abort:
             error, self.body_error = self.body_error, None
             if error is None:
                 raise
-            raise error from None
         finally:
             if trace_body is not None:
                 BODIES[self.main] = trace_body
             session.finished = True
+        if error is not None:  # raised here, outside the handler: its own cause and context
+            raise error
         # The step is over: this rank's "end" batches go before any body waits for a peer's
         # (no cycle between ranks), then the bodies that wait for "end" take theirs, and any
         # body still waiting asked for something the step never produced: it raises.

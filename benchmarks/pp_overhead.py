@@ -28,13 +28,14 @@ from pp_steps import pipeline_steps
 from ranks import print_ratios, time_in_turns
 
 
-def main():
+def setup(argv=None) -> tuple:
+    """``(args, net, {name: step function})`` on this rank, the process group started."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -65,10 +66,16 @@ def main():
     for fn in fns.values():
         fn()
     net.zero_grad(set_to_none=True)
+    args.stages = len(stages) * world
+    return args, net, fns
+
+
+def main():
+    args, net, fns = setup()
     times = time_in_turns(fns, args.steps, after=lambda: net.zero_grad(set_to_none=True))
-    if rank == 0:
-        print(f"torch {torch.__version__}, {args.schedule} over {len(stages) * world} stages on "
-              f"{world} ranks, 4 microbatches, width "
+    if dist.get_rank() == 0:
+        print(f"torch {torch.__version__}, {args.schedule} over {args.stages} stages on "
+              f"{dist.get_world_size()} ranks, 4 microbatches, width "
               f"{args.width}, gloo, median of {args.steps}")
         print_ratios(times, "raw hooks")
     dist.destroy_process_group()

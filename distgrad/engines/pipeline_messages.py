@@ -116,14 +116,17 @@ class Messages(RequestChecks):
             self._send(_pack(entries), dst, key)
         self.gone.append(_tag(key, 0))  # after the sends: a peer reading it sees them too
 
-    def _send(self, data: torch.Tensor, dst: int, key, carried: bool = False) -> None:
-        # sent from the bytes as they are: keep them until it went. A carried batch went with
-        # the schedule's message, up to _CAP bytes: only a longer one's rest goes here.
+    def _send(self, data: bytearray, dst: int, key, carried: bool = False) -> None:
+        # sent from the bytes as they are (the tensor views them): kept until it went. A
+        # carried batch went with the schedule's message, up to _CAP bytes: only a longer
+        # one's rest goes here.
         if not carried:
             self.sent_to.setdefault(dst, []).append(_tag(key, 0))
-            self.pending.append((data, self.channel.send([data[:_CAP]], dst, _tag(key, 0))))
-        if data.numel() > _CAP:
-            self.pending.append((data, self.channel.send([data[_CAP:]], dst, _tag(key, 1))))
+            part = _uint8(memoryview(data)[:_CAP])
+            self.pending.append((part, self.channel.send([part], dst, _tag(key, 0))))
+        if len(data) > _CAP:
+            rest = _uint8(memoryview(data)[_CAP:])
+            self.pending.append((rest, self.channel.send([rest], dst, _tag(key, 1))))
 
     # -- values that travel with the schedule's own messages (PipelineEngine.carry) -----------
     # Forward: activations to the next stage carry ("F", m) batches for it; backward: input
@@ -147,15 +150,16 @@ class Messages(RequestChecks):
             return ops
         data = _pack(entries)
         op = ops[at]
-        head = op.tensor.detach().reshape(-1).view(torch.uint8)
-        size = head.numel()
-        both = torch.empty(size + min(data.numel(), _CAP), dtype=torch.uint8)
-        both[:size].copy_(head)
-        both[size:].copy_(data[:_CAP])
-        self.pending.append((both, None))
-        if data.numel() > _CAP:
+        # The schedule's bytes, then the batch's first _CAP, put together in Python: the torch
+        # calls that did it (a flat byte view of the activation, an empty tensor, two slices
+        # and two copies) cost about 200 us a chunk in the middle of a step here, against one
+        # tensor made over the joined bytes now (pp_segments.py).
+        both = bytearray(_bytes_of(op.tensor))
+        both += memoryview(data)[:_CAP]
+        op.tensor = _uint8(both)  # (the op is the schedule's own, made for this one message)
+        self.pending.append((op.tensor, None))
+        if len(data) > _CAP:
             self._send(data, dst, key, carried=True)
-        op.tensor = both  # (the op is the schedule's own, made for this one message)
         return ops
 
     def incoming(self, phase: str, stage: int, chunk: int, ops: list, infos=()) -> list:
@@ -200,7 +204,7 @@ class Messages(RequestChecks):
         src = self._carrier(phase, stage)
         self.posted[(src, key)] = [None, None]  # arrived with the schedule's bytes
         if struct.unpack_from("<q", view, size)[0] != -1:
-            self._parse(src, key, both[size:])
+            self._parse(src, key, view[size:])
 
     def give_back(self) -> None:
         """The stage's own receive buffers again (end of the trace)."""
@@ -262,16 +266,16 @@ class Messages(RequestChecks):
         buf, work = entry
         self._wait_for_batch(buf, work, src, key, _tag(key, 0))
         entry[1] = None
-        self._parse(src, key, buf)
+        self._parse(src, key, memoryview(buf.numpy()))
         _SPARE.append(buf)  # its values are copied out: the next receive may reuse it
 
-    def _parse(self, src: int, key, buf: torch.Tensor) -> None:
-        view = memoryview(buf.numpy())
+    def _parse(self, src: int, key, view: memoryview) -> None:
+        """Take the values of the batch whose first part ``view`` holds (its buffer is reused)."""
         total, count = struct.unpack_from("<2q", view)
         if total > _CAP:
-            rest = torch.empty(total - _CAP, dtype=torch.uint8)
-            self.channel.recv([rest], src, _tag(key, 1)).wait()  # sent with the first part
-            view = memoryview(torch.cat([buf[:_CAP], rest]).numpy())
+            rest = bytearray(total - _CAP)
+            self.channel.recv([_uint8(rest)], src, _tag(key, 1)).wait()  # sent with the first
+            view = memoryview(bytearray(view[:_CAP]) + rest)
         for tag, value in _values(view, count, self.engine.device):
             self.got[(src, tag)] = value
 
@@ -286,6 +290,16 @@ def _entry(value: torch.Tensor, tag: int) -> tuple:
     if ndim > _META - 5:
         raise ValueError(f"distgrad sends tensors of at most {_META - 5} dimensions between "
                          f"pipeline stages, not {ndim}.")
+    raw = _bytes_of(value)
+    nbytes = len(raw)
+    if nbytes % _ALIGN:
+        raw += bytes(_ALIGN - nbytes % _ALIGN)
+    return (_META_BYTES(tag, _CODE[value.dtype], int(value.requires_grad), ndim, *shape,
+                        *_ZEROS[ndim], nbytes), raw)
+
+
+def _bytes_of(value: torch.Tensor) -> bytes:
+    """``value``'s bytes in C order, copied to the host."""
     # Each torch call that makes a tensor or an array costs 10-20 us in the middle of a step
     # here (the forward has just evicted the caches) against 2 us in a loop. A contiguous host
     # tensor's bytes are read where they lie, with calls that make nothing (20 us less per
@@ -293,17 +307,18 @@ def _entry(value: torch.Tensor, tag: int) -> tuple:
     try:
         if value.is_cpu and value.is_contiguous() and not value.is_conj() and not value.is_neg():
             nbytes = value.nbytes
-            raw = _string_at(value.data_ptr(), nbytes) if nbytes else b""
-        else:
-            raw = value.detach().numpy().tobytes()
+            return _string_at(value.data_ptr(), nbytes) if nbytes else b""
+        return value.detach().numpy().tobytes()
     except (TypeError, RuntimeError):  # on an accelerator; strided bfloat16; a conjugate view
         data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
-    nbytes = len(raw)
-    if nbytes % _ALIGN:
-        raw += bytes(_ALIGN - nbytes % _ALIGN)
-    return (_META_BYTES(tag, _CODE[value.dtype], int(value.requires_grad), ndim, *shape,
-                        *_ZEROS[ndim], nbytes), raw)
+        return data.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _uint8(data) -> torch.Tensor:
+    """A uint8 tensor over ``data`` (a bytearray or a memoryview of one), sharing its bytes."""
+    if not len(data):
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def _values(view: memoryview, count: int, device: torch.device) -> list:
@@ -345,7 +360,7 @@ def _round(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _pack(entries: list) -> torch.Tensor:
+def _pack(entries: list) -> bytearray:
     """One batch as bytes: [total bytes, count], each value's metadata, then the values, each
     starting at a multiple of ``_ALIGN`` (the header is one: 16 + 112 bytes per value)."""
     metas = b"".join([meta for meta, _ in entries])  # each packed already (_entry)
@@ -354,5 +369,5 @@ def _pack(entries: list) -> torch.Tensor:
     out += metas
     for _, raw in entries:
         out += raw
-    return torch.frombuffer(out, dtype=torch.uint8)
+    return out
 

@@ -43,11 +43,13 @@ def pipeline_steps(model, net, x, y, step, owns_layer1: bool, send_to: dict | No
     steps = {"raw hooks": raw}
     if send_to is not None:
         steps["raw hooks, values sent by hand"] = _raw_sent(net, step, owns_layer1, send_to, x)
+        steps["... and every rank tells the owner it has them"] = _raw_sent(
+            net, step, owns_layer1, send_to, x, handshake=True)
     steps.update({"distgrad": traced, "distgrad, a body that reads nothing": traced_empty})
     return steps
 
 
-def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x) -> callable:
+def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x, handshake: bool = False) -> callable:
     """The raw step that also ends with the values on every rank, as distgrad's body does: the
     owner's hooks send layers[1]'s output and gradient of each microbatch to every other rank
     as they appear (``isend`` on a group of their own); the other ranks post the receives before
@@ -55,12 +57,16 @@ def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x) -> callable:
     ``{"group": the group, "peers": the other ranks, "owner": layers[1]'s rank, "n": the
     microbatches}``. The schedule's first step infers its shapes by running the stage on real
     tensors, which fires the hooks too: run another step before this one (the benchmarks' first
-    variant, ``raw``, does)."""
+    variant, ``raw``, does). ``handshake``: the owner's step also waits until every other rank
+    has told it (one message each, after its receives) that it has the values: the round trip
+    distgrad's end-of-step check makes (``engines/pipeline_checks.py``), so that an error reaches
+    every rank in the same step."""
     import torch
     import torch.distributed as dist
     group, peers, owner, n = send_to["group"], send_to["peers"], send_to["owner"], send_to["n"]
     rows = x.shape[0] // n
     buffers = [torch.empty(rows, x.shape[1]) for _ in range(2 * n)]
+    flags = {r: torch.zeros(1) for r in peers + [owner]}
 
     def raw_sent():
         kept, works = [], []
@@ -80,11 +86,19 @@ def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x) -> callable:
         else:
             works = [dist.irecv(buf, owner, group=group, tag=i + 1)
                      for i, buf in enumerate(buffers)]
+        if handshake and owns_layer1:  # posted before the step, as distgrad's check is
+            told = [dist.irecv(flags[p], p, group=group, tag=0) for p in peers]
         step()
         if owns_layer1:
             handle.remove()
         for work in works:
             work.wait()
+        if handshake:
+            if owns_layer1:
+                for work in told:
+                    work.wait()
+            else:
+                dist.send(flags[owner], owner, group=group, tag=0)
         return kept if owns_layer1 else [b.clone() for b in buffers]
     return raw_sent
 

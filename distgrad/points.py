@@ -23,6 +23,21 @@ def _new_hook_id() -> int:
     return hid
 
 
+def add_tensor_hook(tensor: torch.Tensor, hook):
+    """``tensor.register_hook(hook)`` without the handle, for a plain tensor: returns the hook
+    dict and the entry's id (the way to remove it), or ``(None, handle)`` for a subclass."""
+    if tensor.__class__ is not _Tensor:
+        return None, tensor.register_hook(hook)
+    hooks = tensor._backward_hooks
+    if hooks is None:
+        hooks = tensor._backward_hooks = OrderedDict()
+        if tensor.grad_fn is not None:
+            tensor.grad_fn._register_hook_dict(tensor)
+    hid = _new_hook_id()
+    hooks[hid] = hook
+    return hooks, hid
+
+
 # Why not register_forward_hook / register_hook: each builds a RemovableHandle (a weakref per
 # dict, an id, a closure) and removing it walks those again - about a third of what one
 # `.output` or `.grad` read cost. A point needs only its entry in the hook dict PyTorch reads,
@@ -119,20 +134,11 @@ class GradPoint:
         # A hook on the tensor itself: fires with the gradient w.r.t. exactly this tensor, and
         # what it returns replaces that gradient for everything upstream. A plain tensor gets
         # the entry Tensor.register_hook would write; a subclass (DTensor) its own method.
-        if tensor.__class__ is _Tensor:
-            hooks = tensor._backward_hooks
-            if hooks is None:
-                hooks = tensor._backward_hooks = OrderedDict()
-                if tensor.grad_fn is not None:
-                    tensor.grad_fn._register_hook_dict(tensor)
-            self.hooks = hooks
-            self.hid = hid = RemovableHandle.next_id  # _new_hook_id(), written out
-            RemovableHandle.next_id = hid + 1
-            hooks[hid] = self._on_grad
-            self.handle = None
+        self.hooks, found = add_tensor_hook(tensor, self._on_grad)
+        if self.hooks is None:
+            self.handle = found
         else:
-            self.hooks = None
-            self.handle = tensor.register_hook(self._on_grad)
+            self.hid, self.handle = found, None
         session.installed.append(self)  # Session.grad_point also enters it in session.points
 
     def _on_grad(self, grad):

@@ -138,6 +138,7 @@ class PipelineEngine(DistributedEngine):
         # (microbatch, forward, stage) -> {rank: batch key}: fixed by the placement, so kept
         # across traces (PipelineRun._keys)
         self.batch_keys: dict = {}
+        self.my_moments: dict = {}  # (stage, microbatch, forward) -> moment(), for receiving
         self.names = {id(m): n for n, m in full_model.named_modules()}
         self.my_stages = tuple(mine)
         self.last_stage = num_stages - 1

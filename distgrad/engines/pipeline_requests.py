@@ -32,7 +32,7 @@ class BodyRequests:
         tag = body.index * 100_000 + body.seq
         if stage not in self.mine:
             src = engine.rank_of_stage[stage]
-            event = moment(self.mine, stage, body.index, True)
+            event = self._moment(stage, body.index, True)
             value = self._wait_remote(body, event, src, tag)
             self.stage_of[id(value)] = (value, stage)
             if event[0] == "F" and value.requires_grad:  # a value of an earlier stage
@@ -67,7 +67,7 @@ class BodyRequests:
             value = _STAND_IN
         elif engine.last_stage not in self.mine:
             last = engine.last_stage
-            event = moment(self.mine, last, body.index, True)
+            event = self._moment(last, body.index, True)
             value = self._wait_remote(body, event, engine.rank_of_stage[last], tag)
         else:
             if ("B", engine.last_stage, body.index) in self.fired:
@@ -96,7 +96,7 @@ class BodyRequests:
         body.seq += 1
         tag = body.index * 100_000 + body.seq
         if stage not in self.mine:
-            event = moment(self.mine, stage, body.index, False)
+            event = self._moment(stage, body.index, False)
             value = self._wait_remote(body, event, engine.rank_of_stage[stage], tag)
             # the body is "at" this gradient now, as its owner is: `t.grad = t.grad * 2` reads
             # and writes this one stop on every rank alike
@@ -128,6 +128,16 @@ class BodyRequests:
         """Queue a value of this rank's ``stage`` for every other rank, in the batch of the
         moment that rank takes it (the module text of ``pipeline.py``)."""
         self.messages.send(value, tag, self._keys(microbatch, forward, stage))
+
+    def _moment(self, stage: int, microbatch: int, forward: bool):
+        """The batch key under which this rank takes a value of another rank's ``stage``
+        (``moment``), kept across traces: the placement fixes it."""
+        kept = self.engine.my_moments
+        key = kept.get((stage, microbatch, forward))
+        if key is None:
+            key = kept[(stage, microbatch, forward)] = moment(self.mine, stage, microbatch,
+                                                              forward)
+        return key
 
     def _keys(self, microbatch: int, forward: bool, stage: int) -> dict:
         """``{rank: the batch key}`` of a forward value (or gradient) of ``stage``."""

@@ -12,6 +12,7 @@ import greenlet
 
 from .. import capture
 from ..backward import step_threaded
+from ..points import add_tensor_hook
 from ..run import BodyRunners
 from ..session import BODIES, Body, Session
 from .pipeline import LossPoint, PipelineEngine, joined
@@ -147,7 +148,7 @@ class PipelineRun(BodyRequests, DirectSteps):
     def _note_reach(self, value, label: str, stage: int, microbatch: int) -> None:
         """Note which of this rank's stages' backward reaches ``value`` (of ``stage``)."""
         reached = []
-        value.register_hook(lambda grad: reached.append(self.in_backward))
+        add_tensor_hook(value, lambda grad: reached.append(self.in_backward))
         self.earlier.setdefault(microbatch, []).append((label, reached, stage))
 
     def _check_earlier(self, stage: int, microbatch: int) -> None:

@@ -9,8 +9,9 @@ step: save layers[1]'s output (stage 0) and its gradient, and double that gradie
 do it on the owning stage only: a forward hook that keeps the output and registers a tensor hook
 that keeps the gradient and returns it doubled. distgrad also sends the values to the other
 stage (every rank ends with them) and joins the microbatches; so does the variant "raw hooks,
-values sent by hand" (``pp_steps._raw_sent``), the like-for-like baseline. Rank 0 prints
-medians and the ratios.
+values sent by hand" (``pp_steps._raw_sent``), the like-for-like baseline, and the variant in
+which every other rank then tells the owner it has them: the round trip distgrad's end-of-step
+check needs, the floor of what its semantics cost. Rank 0 prints medians and the ratios.
 ``--schedule interleaved``: ScheduleInterleaved1F1B over one block per stage, two stages per rank
 (layers[1] is then rank 1's).
 """

@@ -315,9 +315,8 @@ def _bytes_of(value: torch.Tensor) -> bytes:
 
 
 def _uint8(data) -> torch.Tensor:
-    """A uint8 tensor over ``data`` (a bytearray or a memoryview of one), sharing its bytes."""
-    if not len(data):
-        return torch.empty(0, dtype=torch.uint8)
+    """A uint8 tensor over ``data`` (a bytearray or a memoryview of one), sharing its bytes.
+    Never empty here: a batch has its 16-byte header, and a rest exists only past ``_CAP``."""
     return torch.frombuffer(data, dtype=torch.uint8)
 
 

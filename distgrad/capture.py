@@ -148,17 +148,29 @@ def skip(frame, line: int | None) -> None:
     if line is None:
         return
     previous_global = sys.gettrace()
-    previous_local = frame.f_trace
-
-    def on_line(fr, event, arg):
-        if event == "line" and fr.f_lineno == line:
-            raise SkipBody(fr, previous_global, previous_local)
-        return on_line
-
     if previous_global is None:
-        sys.settrace(lambda *args: None)  # local tracing needs a global trace function
+        sys.settrace(_no_trace)  # local tracing needs a global trace function
     frame.f_trace_lines = True
-    frame.f_trace = on_line
+    frame.f_trace = _SkipAt(line, previous_global, frame.f_trace)
+
+
+def _no_trace(*args):
+    return None
+
+
+class _SkipAt:
+    """The one-shot line trace ``skip`` installs. An object rather than a closure: a local
+    trace function returns itself, and a closure that names itself is a reference cycle."""
+
+    __slots__ = ("line", "previous_global", "previous_local")
+
+    def __init__(self, line, previous_global, previous_local):
+        self.line, self.previous_global, self.previous_local = line, previous_global, previous_local
+
+    def __call__(self, frame, event, arg):
+        if event == "line" and frame.f_lineno == self.line:
+            raise SkipBody(frame, self.previous_global, self.previous_local)
+        return self
 
 
 class NotSaved:
@@ -197,3 +209,16 @@ def write_back(frame, values: dict) -> None:
     local = frame.f_locals
     local.update(values)
     ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+
+
+_CO_OPTIMIZED = 0x01  # a function's frame: its f_locals is a snapshot of the fast locals
+
+
+def release_locals(frame) -> None:
+    """Empty the snapshot dict that reading ``frame.f_locals`` left on a function's frame.
+
+    Before Python 3.13 that dict keeps a reference to every local's value as it was when read,
+    after the function deletes or rebinds the name, until something reads f_locals again: a
+    trace's activations would outlive the user's ``del``. Any later read fills it afresh."""
+    if sys.version_info < (3, 13) and frame.f_code.co_flags & _CO_OPTIMIZED:
+        frame.f_locals.clear()

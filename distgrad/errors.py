@@ -5,7 +5,11 @@ says what to do; docs/errors.rst has a page for each.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class OutOfOrderError(RuntimeError):
@@ -58,3 +62,44 @@ def check_replacement_grad(label, old: torch.Tensor, new) -> None:
 class RankFailedError(RuntimeError):
     """Another rank of a distributed job failed during the trace (its message is included), or
     stopped answering. Raised on every rank but the one that failed."""
+
+
+def _chain(exc):
+    """``exc`` and every exception in its cause and context chains, once each."""
+    seen, todo = set(), [exc]
+    while todo:
+        exc = todo.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        yield exc
+        todo.append(exc.__cause__)
+        todo.append(exc.__context__)
+
+
+def forget_frames(exc: BaseException) -> None:
+    """Clear the locals of distgrad's own finished frames in the tracebacks of ``exc``.
+
+    Those frames hold the run's objects (an outcome, a driver, a session) that hold the
+    exception again, so each would be a reference cycle through the traceback, keeping the
+    step's tensors alive until the cycle collector runs. The user's frames keep their locals
+    (post-mortem debugging); distgrad's own lose them once the exception leaves the trace."""
+    for found in _chain(exc):
+        tb = found.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code.co_filename.startswith(_PACKAGE):
+                try:
+                    frame.clear()
+                except RuntimeError:  # still running: the frame that is handling it
+                    pass
+            tb = tb.tb_next
+
+
+def drop_context(exc: BaseException, internal: BaseException) -> None:
+    """Unlink ``internal`` (an exception distgrad raised and handled itself) from the context
+    chain of ``exc``, which Python set only because ``exc`` was raised while ``internal`` was
+    being handled. The user's traceback then shows their own exception, as it was raised."""
+    for found in _chain(exc):
+        if found.__context__ is internal:
+            found.__context__ = None

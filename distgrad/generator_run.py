@@ -236,7 +236,8 @@ class GeneratorDriver:
 
     def _after(self, session, event) -> None:
         if event.kind == "aborted":
-            raise self.error
+            error, self.error = self.error, None  # held here, it would be a cycle through its frames
+            raise error
         if self.ended:
             if event.kind == "error":
                 raise event.value

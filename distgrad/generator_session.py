@@ -184,3 +184,4 @@ class GeneratorSession(Session):
             return
         self.drop_want()
         super().close()
+        self.driver = self.body = self.grad_ready = None  # see Session.close

@@ -47,8 +47,7 @@ def add_tensor_hook(tensor: torch.Tensor, hook):
 class ModulePoint:
     """A module's input (forward pre-hook) or output (forward hook)."""
 
-    __slots__ = ("session", "module", "path", "kind", "calls", "hid", "hooks", "fire", "key",
-                 "suffix")
+    __slots__ = ("session", "module", "path", "kind", "calls", "hid", "hooks", "key", "suffix")
 
     def __init__(self, session, module: torch.nn.Module, path: str, kind: str):
         self.module = module
@@ -57,7 +56,6 @@ class ModulePoint:
         self.suffix = "." + kind  # for labels: "model.h[0]" + ".output"
         self.key = (id(module), kind)  # its key in a session's points
         self.hid = _new_hook_id()
-        self.fire = self._on_output if kind == "output" else self._on_input
         self.arm(session)
 
     def arm(self, session) -> None:
@@ -67,12 +65,15 @@ class ModulePoint:
         self.session = session
         self.calls = 0
         module, hid = self.module, self.hid
+        # The bound method lives only in the module's hook dict, so that remove() leaves no
+        # point -> method -> point cycle for the cycle collector.
         if self.kind == "output":
             self.hooks = hooks = module._forward_hooks
+            hooks[hid] = self._on_output
         else:
             self.hooks = hooks = module._forward_pre_hooks
             module._forward_pre_hooks_with_kwargs[hid] = True
-        hooks[hid] = self.fire
+            hooks[hid] = self._on_input
         session.points[self.key] = self
         session.installed.append(self)
 

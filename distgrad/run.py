@@ -41,6 +41,13 @@ class Outcome:
         self.kind = kind
         self.value = value
 
+    def taken(self) -> "Outcome":
+        """The receiver's copy. The runner greenlet that made this one keeps it on its stack
+        while it idles in the pool, so it is emptied here: the run's result (the logits, an
+        exception and its frames) must die when the receiver lets go of it."""
+        value, self.value = self.value, None
+        return Outcome(self.kind, value)
+
 
 def _outcome(fn) -> Outcome:
     try:
@@ -63,7 +70,9 @@ _getcurrent = greenlet.getcurrent
 
 def _runner(fn):
     while True:
-        fn = greenlet.getcurrent().parent.switch(_outcome(fn))
+        outcome = _outcome(fn)
+        fn = None  # the finished run's function (its inputs, a backward's graph) dies with it
+        fn = greenlet.getcurrent().parent.switch(outcome)
 
 
 def _take_runner() -> greenlet.greenlet:
@@ -114,6 +123,7 @@ class BodyRunners:
         else:
             got = glet.switch()
         if got.__class__ is Outcome:  # the body ended
+            got = got.taken()
             del self.todo[id(body)]
             if got.kind == "error":
                 raise got.value
@@ -150,6 +160,7 @@ class GreenletRun:
             glet.parent = _getcurrent()
             event = glet.switch(reply)
         if event.__class__ is not tuple:
+            event = event.taken()
             self.done()
         return event
 
@@ -201,6 +212,7 @@ class _Worker:
             self.go.acquire()
             job, self.job = self.job, None
             job()
+            job = None  # not kept while idle: it holds the finished run
 
     def start(self, job) -> None:
         self.job = job
@@ -247,7 +259,7 @@ class ThreadRun:
             self._reply = reply
             self._to_run.release()
         self._to_body.acquire()
-        event = self._box
+        event, self._box = self._box, None
         if event.__class__ is not tuple:
             self.done()
         return event

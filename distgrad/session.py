@@ -224,6 +224,7 @@ class Session:
                 glet.parent = _getcurrent()
                 event = glet.switch(reply)
                 if event.__class__ is not tuple:
+                    event = event.taken()
                     self.run.done()
             else:
                 event = self.resume(reply)
@@ -285,6 +286,14 @@ class Session:
             point.remove()
         self.installed.clear()
         self.points.clear()
+        # A closed session lets go of its bodies, its run and its spare Stop. Each links back
+        # here (a body's trace holds this session; the run's function a backward block that
+        # holds it; the Stop's key a point of it), and a cycle would keep the trace's tensors
+        # alive until the cycle collector happens to run. A request after close finds
+        # ``finished`` set first and raises before it could use any of them.
+        self.bodies = self.served = ()
+        self.spare = self.paused_value = self.paused_key = None
+        self.run = self.resume = self.hand = None
 
     def _show(self, key, value):
         point = key[0]

@@ -14,7 +14,7 @@ import torch
 from . import batching, capture, engines, generator_body
 from .backward import config
 from .envoy import Envoy
-from .errors import OutOfOrderError, TraceStateError
+from .errors import OutOfOrderError, TraceStateError, drop_context, forget_frames
 from .session import _UNSET, BODIES, Body, Session, current_body
 
 
@@ -73,7 +73,8 @@ class Trace:
         self.slices: dict = {}
         self.captured = None   # (code, names, frame): a body the engine runs per microbatch
         self.pipeline = None   # the engine's per-microbatch run while it runs
-        self.generator = None  # (Plan, frame): a body run as a generator (generator_body.py)
+        self.generator = None  # the Plan of a body run as a generator (generator_body.py)
+        self.frame = None      # the caller's frame, while the trace runs a body lifted out of it
 
     # -- the with-block -------------------------------------------------------------------
     def __enter__(self) -> "Trace":
@@ -93,14 +94,14 @@ class Trace:
             frame = sys._getframe(1)
             plan = generator_body.plan_for(frame)
             if plan is not None and plan.allowed(frame.f_locals, frame):
-                self.generator = (plan, frame)
+                self.generator, self.frame = plan, frame
                 first_line = plan.first_line
         BODIES[self._glet] = self.body
         self.engine.begin_trace()
         if self.captured is not None:
             capture.skip(self.captured[2], first_line)
         elif self.generator is not None:
-            capture.skip(self.generator[1], first_line)
+            capture.skip(self.frame, first_line)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -108,7 +109,9 @@ class Trace:
                                                     or self.generator is not None)
         if skipped:
             capture.resume_tracing(exc)
-            exc = None  # the body was lifted out, to run per microbatch or as a generator
+            skip, exc = exc, None  # the body was lifted out, to run per microbatch or as a generator
+        elif exc is not None:
+            forget_frames(exc)
         error = exc
         try:
             if exc is None:
@@ -123,22 +126,49 @@ class Trace:
                     self.finish_forward()
         except BaseException as late:  # the rest of the forward failed: the engine must know
             error = late
+            if skipped:  # raised while SkipBody was being handled: it is not the user's context
+                drop_context(late, skip)
+            forget_frames(late)
             raise
         finally:
-            if self.forward is not None:
-                if not self.forward.finished:
-                    self.forward.abort()
-                self.forward.close()
-            BODIES.pop(self._glet, None)
-            instead = self.engine.end_trace(self.body.saves, error)
-            if instead is not None:
-                raise instead from error
+            try:
+                if self.forward is not None:
+                    if not self.forward.finished:
+                        self.forward.abort()
+                    self.forward.close()
+                BODIES.pop(self._glet, None)
+                try:
+                    instead = self.engine.end_trace(self.body.saves, error)
+                finally:
+                    self._release()
+                if instead is not None:
+                    raise instead from error
+            finally:
+                # This frame joins the traceback of whatever leaves it; locals that hold that
+                # exception would make a cycle through it.
+                error = exc = skip = tb = None
         return skipped
+
+    def _release(self) -> None:
+        """Let go of everything the trace ran with. The body, the sessions, the invokes and the
+        caller's frame (kept to run a body later) all link back to this trace; left as they
+        are, those cycles would keep every tensor of the step alive until the cycle collector
+        runs, step after step (on a GPU, memory held across steps)."""
+        self.body.trace = None
+        self.body = None  # its saves too: they belong to the user now
+        for invoke in self.invokes:
+            if invoke.frame is not None:
+                capture.release_locals(invoke.frame)
+            invoke.frame = invoke.trace = None
+        if self.frame is not None:
+            capture.release_locals(self.frame)
+        self.forward = self.backward = self.captured = self.frame = self.pipeline = None
+        self._glet = None
 
     def _run_generator(self) -> None:
         """Run the skipped body as a generator (generator_run.py), then give its names back."""
         from .generator_run import GeneratorDriver
-        plan, frame = self.generator
+        plan, frame = self.generator, self.frame
         driver = GeneratorDriver(self.body)
         gen, out = generator_body.start(plan, frame, frame.f_locals, driver)
         driver.attach(gen)
@@ -148,6 +178,7 @@ class Trace:
         finally:
             self.body.driver = None
             capture.write_back(frame, {name: out[name] for name in plan.names if name in out})
+            out.clear()  # the body's locals() also hold this dict itself: a cycle
         self.finish_forward()
 
     def invoke(self, *args, **kwargs):

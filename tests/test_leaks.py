@@ -1,0 +1,136 @@
+"""A trace leaves nothing for the cycle collector, and nothing of it outlives the user's names.
+
+With the cycle collector off, whatever a trace links into a reference cycle stays in memory
+until ``gc.collect()`` runs: step after step, on a GPU, the activations of every step. So each
+test turns the collector off, runs traces, and counts what only the collector could free
+(``gc.DEBUG_SAVEALL`` keeps it in ``gc.garbage``): it must be nothing. The README program runs
+in every body mode, after errors in the body, and with invokes; ``tests/dist/job.py``
+(``case_no_cycles``) checks the same under DDP.
+"""
+import gc
+import weakref
+
+import pytest
+import torch
+
+import distgrad
+from conftest import TEXT
+
+
+def cyclic_garbage(step, times: int = 3) -> list:
+    """What ``times`` calls of ``step`` leave that only the cycle collector frees."""
+    step()  # first-use caches (compiled bodies, kept points) are not garbage
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(times):
+            step()
+        gc.collect()
+        found = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
+    return found
+
+
+def describe(found: list) -> str:
+    kinds = {}
+    for obj in found:
+        kinds[type(obj).__name__] = kinds.get(type(obj).__name__, 0) + 1
+    return ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
+def readme_step(model):
+    with model.trace(TEXT):
+        a1 = model.transformer.h[0].output
+        loss = model.output.logits.sum()
+        with loss.backward():
+            g = a1.grad.save()
+            a1.grad = a1.grad * 2
+    return g
+
+
+@pytest.mark.usefixtures("backward_mode")
+def test_readme_program_leaves_no_cycles(gpt2, tokenizer):
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    found = cyclic_garbage(lambda: readme_step(model))
+    assert not found, describe(found)
+
+
+@pytest.mark.usefixtures("backward_mode")
+@pytest.mark.parametrize("where", ["forward", "backward", "order"])
+def test_errors_in_the_body_leave_no_cycles(gpt2, tokenizer, where):
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+
+    def failing_step():
+        try:
+            with model.trace(TEXT):
+                a0 = model.transformer.h[0].output
+                a1 = model.transformer.h[1].output
+                if where == "forward":
+                    raise KeyError("the user's own error")
+                loss = model.output.logits.sum()
+                with loss.backward():
+                    if where == "order":
+                        a0.grad  # before a1.grad: out of order
+                    a1.grad = a1.grad * 2
+                    raise KeyError("the user's own error")
+        except (KeyError, distgrad.OutOfOrderError):
+            pass
+        else:
+            raise AssertionError("the body's error was not raised")
+
+    found = cyclic_garbage(failing_step)
+    assert not found, describe(found)
+    readme_step(model)  # and the next trace works
+
+
+def test_invokes_leave_no_cycles(gpt2, tokenizer):
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+
+    def step():
+        with model.trace() as tracer:
+            with tracer.invoke(TEXT):
+                h = model.transformer.h[0].output.save()
+                h1 = model.transformer.h[1].output
+                loss = model.output.logits.sum()
+                with loss.backward():
+                    g = h1.grad.save()
+            with tracer.invoke("Paris is"):
+                h2 = model.transformer.h[0].output.save()
+        return h, g, h2
+
+    found = cyclic_garbage(step)
+    assert not found, describe(found)
+
+
+@pytest.mark.usefixtures("backward_mode")
+def test_saved_values_die_with_the_users_names(gpt2, tokenizer):
+    """Nothing of the trace - a runner greenlet idle in its pool, a kept worker thread, the
+    trace object the user still holds - keeps a saved value alive once the user drops it.
+    No gc.collect(): reference counting alone must free it."""
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    with model.trace(TEXT) as tracer:
+        h1 = model.transformer.h[1].output
+        logits = model.output.logits.save()
+        loss = logits.sum()
+        with loss.backward():
+            g = h1.grad.save()
+    expected = logits.detach().clone()
+    logits_ref, grad_ref = weakref.ref(logits), weakref.ref(g)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        torch.testing.assert_close(gpt2(**tokenizer(TEXT, return_tensors="pt")).logits.detach(),
+                                   expected)
+        del logits, loss, g, h1
+        assert logits_ref() is None, "the saved logits outlived the user's names"
+        assert grad_ref() is None, "the saved gradient outlived the user's names"
+        assert tracer is not None  # the trace object itself may stay: it holds no values
+    finally:
+        if was_enabled:
+            gc.enable()

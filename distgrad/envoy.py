@@ -1,8 +1,10 @@
 """Envoys: objects that mirror the module tree and serve its values inside a trace.
 
 ``model.transformer.h[0]`` is an Envoy for that module; ``.output``, ``.input`` and ``.inputs``
-stop the run where the module produces them. Anything that is not a submodule (a parameter,
-``config``, a method) is the module's own attribute.
+stop the run where the module produces them. Anything that is not a module (a parameter,
+``config``, a method) is the module's own attribute; a module is always an envoy, also one that
+a wrapper (PEFT, torch.compile) passes on from the model inside it. Envoys take no assignment
+but those three: anything else would land on the module and change nothing.
 """
 from __future__ import annotations
 

@@ -213,8 +213,11 @@ def _compiled(how: str, backend):
     return net, net
 
 
-@pytest.fixture(scope="module", params=["eager", "aot_eager"])
+@pytest.fixture(scope="module", params=["eager", "aot_eager",
+                                        pytest.param("inductor", marks=pytest.mark.slow)])
 def compile_backend(request):
+    """eager and aot_eager run dynamo and AOTAutograd without code generation; inductor
+    generates C++ (a compiler is needed; minutes on a small machine)."""
     return request.param
 
 
@@ -280,3 +283,32 @@ def test_traces_run_eager_and_steps_outside_stay_compiled(how, backward_mode):
     compiled(IDS)
     assert counting.runs > runs   # an error in the body leaves nothing forced either
     assert hook_count(net) == 0
+
+
+def test_compiled_ddp_is_driven_by_the_ddp_engine(tmp_path):
+    """``torch.compile(DDP(net))``: the engine is DDP's (saves gathered, reduced gradients),
+    not the one-process engine a compiled module would otherwise get. One rank of gloo: the
+    engine choice and the step's numbers, not the communication (tests/dist covers that)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distgrad.engines.ddp import DDPEngine
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        net = _gpt2()
+        eager = copy.deepcopy(net)
+        out, grad, logits, grads = plain_step(eager, eager.transformer.h[0])
+        compiled = torch.compile(DistributedDataParallel(net), backend="aot_eager")
+        model = distgrad.wrap(compiled)
+        assert isinstance(model._engine, DDPEngine)
+        compiled(IDS).logits.sum().backward()  # a compiled step first
+        net.zero_grad(set_to_none=True)
+        got_out, got_grad, got_logits = traced_step(model, model.transformer.h[0])
+        assert_close(got_out, out)
+        assert_close(got_grad, grad)
+        assert_close(got_logits, logits)
+        assert_grads(param_grads(net), grads)
+    finally:
+        dist.destroy_process_group()

@@ -1,8 +1,10 @@
 """Envoys: objects that mirror the module tree and serve its values inside a trace.
 
 ``model.transformer.h[0]`` is an Envoy for that module; ``.output``, ``.input`` and ``.inputs``
-stop the run where the module produces them. Anything that is not a submodule (a parameter,
-``config``, a method) is the module's own attribute.
+stop the run where the module produces them. Anything that is not a module (a parameter,
+``config``, a method) is the module's own attribute; a module is always an envoy, also one that
+a wrapper (PEFT, torch.compile) passes on from the model inside it. Envoys take no assignment
+but those three: anything else would land on the module and change nothing.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from .errors import TraceStateError
 from .paused import PAUSE_STOP, PAUSED
 from .session import _UNSET, BODIES, current_body
+from .wrappers import module_path
 
 _getcurrent = greenlet.getcurrent
 _Tensor = torch.Tensor
@@ -61,6 +64,10 @@ class Envoy:
         else:
             if isinstance(value, torch.nn.Parameter):
                 return self._engine.param(value, f"{self._path}.{name}")
+            if isinstance(value, torch.nn.Module):  # passed on by a wrapper (PEFT, torch.compile)
+                envoy = children[name] = self._forwarded(name, value)
+                self.__dict__[name] = envoy
+                return envoy
             return value
         names = list(module._modules) + [n for n, _ in module.named_parameters(recurse=False)]
         near = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
@@ -68,6 +75,36 @@ class Envoy:
         listing = ", ".join(list(module._modules)[:12]) or "none"
         raise AttributeError(f"{self._path} ({type(module).__name__}) has no submodule or "
                              f"attribute {name!r}.{hint} Its submodules: {listing}.")
+
+    def _forwarded(self, name: str, module: torch.nn.Module) -> "Envoy":
+        """The envoy of a module that ``getattr`` found but that is not a child of this one
+        (``PeftModel`` and ``OptimizedModule`` pass lookups on to the model inside). It keeps
+        the name the user wrote, and its parent is the envoy of the module that really holds
+        it, so that the enclosing modules a trace watches (trace._new_point) are the real ones."""
+        root = self
+        while root._parent is not None:
+            root = root._parent
+        path = module_path(root._module, module)
+        if path == "":
+            return root
+        parent = self if path is None else root._descend(path.split(".")[:-1])
+        return Envoy(module, f"{self._path}.{name}", parent=parent)
+
+    def _descend(self, names: list) -> "Envoy":
+        """The envoy at the dotted path ``names`` below this one, along the module tree. A name
+        of an engine's per-module wrapper (which ``unwrap`` already stepped through) is skipped."""
+        envoy = self
+        for name in names:
+            holder = envoy._module
+            if name not in holder._modules:
+                continue
+            if isinstance(holder, torch.nn.ModuleDict):
+                envoy = envoy[name]
+            elif isinstance(holder, (torch.nn.ModuleList, torch.nn.Sequential)) and name.isdigit():
+                envoy = envoy[int(name)]
+            else:
+                envoy = getattr(envoy, name)
+        return envoy
 
     def __getitem__(self, key):
         envoy = self._children.get(key)
@@ -191,8 +228,18 @@ class Envoy:
     def __setattr__(self, name, value):
         if name in ("output", "input", "inputs"):
             object.__setattr__(self, name, value)
-        else:
-            setattr(self._module, name, value)
+            return
+        # Anything else would land on the module as a new attribute and change nothing
+        # (`h.outptu = x`, `h.grad = g`), or swap a submodule under envoys that still name the
+        # old one: refused, in a trace or not.
+        near = difflib.get_close_matches(name, ["output", "input", "inputs"], n=1, cutoff=0.6)
+        hint = f" Did you mean {self._path}.{near[0]} = ...?" if near else ""
+        raise AttributeError(
+            f"{self._path}.{name} = ...: an envoy takes assignments to .output, .input and "
+            f".inputs only, and distgrad does not pass other assignments on to the module "
+            f"(a new attribute there changes nothing).{hint} To change the module itself, do it "
+            f"on the module "
+            f"(model.module is the wrapped module) and call distgrad.wrap again.")
 
 
 def _first(args, kwargs, path):

@@ -11,7 +11,7 @@ import sys
 import greenlet
 import torch
 
-from . import batching, capture, engines, generator_body
+from . import batching, capture, engines, generator_body, wrappers
 from .backward import config
 from .envoy import Envoy
 from .errors import OutOfOrderError, TraceStateError, drop_context, forget_frames
@@ -98,6 +98,7 @@ class Trace:
                 first_line = plan.first_line
         BODIES[self._glet] = self.body
         self.engine.begin_trace()
+        self.eager = wrappers.EAGER.enter()  # compiled code runs eager while traced (wrappers.py)
         if self.captured is not None:
             capture.skip(self.captured[2], first_line)
         elif self.generator is not None:
@@ -132,6 +133,7 @@ class Trace:
             raise
         finally:
             try:
+                wrappers.EAGER.leave(self.eager)
                 if self.forward is not None:
                     if not self.forward.finished:
                         self.forward.abort()

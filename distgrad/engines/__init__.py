@@ -5,6 +5,7 @@ import torch
 
 from .base import Engine
 from .local import LocalEngine
+from ..wrappers import compiled_inner
 
 
 def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None) -> Engine:
@@ -16,6 +17,14 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
     if _is_pipeline_schedule(obj):
         from .pipeline import PipelineEngine
         return PipelineEngine(obj, full_model)
+    inner = compiled_inner(obj)
+    if inner is not None and accelerator is None:
+        # torch.compile(DDP(net)) and the like: traces run eager (wrappers.py), so the engine
+        # of the wrapper inside drives them; a compiled plain module stays a LocalEngine, so
+        # that both model.<path> and model._orig_mod.<path> work.
+        engine = select(inner, None, tp_shards, full_model)
+        if type(engine) is not LocalEngine:
+            return engine
     if isinstance(obj, torch.nn.Module) and accelerator is None:
         from . import tensor_parallel
         parallel = tensor_parallel.find_parallel_modules(obj)

@@ -8,6 +8,8 @@ an invoke block, and what a parallel engine gathers to rank 0.
 """
 from __future__ import annotations
 
+import weakref
+
 import greenlet
 import torch
 
@@ -71,3 +73,53 @@ def install() -> None:
         return
     _previous_save = existing
     torch.Tensor.save = _tensor_save
+
+
+class LabelledSaves(list):
+    """A body's list of saves that also names each saved gradient, for a multi-process engine
+    that checks the ranks saved the same values (``engines/collective.py``).
+
+    Forward values are named in ``body.labels`` as the body receives them; a gradient is a
+    fresh copy the body gets at the backward's stop, named nowhere. So when the body saves the
+    very gradient it is at (``a1.grad.save()``, on every body path: each appends here), the
+    copy is named after its tensor (``model.transformer.h[0].output.grad``). The body is held
+    by a weak reference: the body holds this list, and a cycle would outlive the trace."""
+
+    __slots__ = ("body", "labels")
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = weakref.ref(body)
+        self.labels = body.labels
+
+    def append(self, entry) -> None:
+        list.append(self, entry)
+        body = self.body()
+        stop = body.stop if body is not None else None
+        if stop is None or stop.tensor is None:
+            return
+        saved = entry[0]
+        if saved is stop.view or saved is stop.replacement:
+            labels, tensor = self.labels, stop.tensor
+            named = labels.get(id(tensor))
+            if named is not None and named[0] is tensor:
+                labels[id(saved)] = (saved, named[1], named[2] + ".grad")
+            else:
+                labels[id(saved)] = (saved, "the gradient of " + COMPUTED, "")
+
+
+COMPUTED = "a tensor computed in the body"  # the name of a value that is no module's value
+
+
+def saved_label(tensor: torch.Tensor, labels: dict) -> tuple:
+    """``(path, kind)`` naming a saved tensor by the model value it is, or a view of one;
+    ``(COMPUTED, "")`` for anything else (a loss the body computed)."""
+    named = labels.get(id(tensor))
+    if named is not None and named[0] is tensor:
+        return named[1], named[2]
+    base = tensor._base
+    if base is not None:
+        named = labels.get(id(base))
+        if named is not None and named[0] is base:
+            return "a view of " + named[1], named[2]
+    return COMPUTED, ""

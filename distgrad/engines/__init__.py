@@ -8,23 +8,29 @@ from .local import LocalEngine
 from ..wrappers import compiled_inner
 
 
-def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None) -> Engine:
+def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None, *,
+           inner: bool = False) -> Engine:
     """The engine for what the user wrapped: DDP, FSDP1, FSDP2 (``fully_shard``), a model
     prepared by accelerate (with its ``accelerator``), a model split by ``parallelize_module``
-    (alone or under ``fully_shard``), or a plain module."""
+    (alone or under ``fully_shard``), or a plain module. ``inner``: choosing the engine under
+    an accelerate engine."""
     if isinstance(obj, Engine):
         return obj
     if _is_pipeline_schedule(obj):
         from .pipeline import PipelineEngine
         return PipelineEngine(obj, full_model)
-    inner = compiled_inner(obj)
-    if inner is not None and accelerator is None:
+    compiled = compiled_inner(obj)
+    if compiled is not None and accelerator is None:
         # torch.compile(DDP(net)) and the like: traces run eager (wrappers.py), so the engine
         # of the wrapper inside drives them; a compiled plain module stays a LocalEngine, so
         # that both model.<path> and model._orig_mod.<path> work.
-        engine = select(inner, None, tp_shards, full_model)
+        engine = select(compiled, None, tp_shards, full_model, inner=inner)
         if type(engine) is not LocalEngine:
             return engine
+    if accelerator is None and not inner and getattr(obj, "_is_accelerate_prepared", False):
+        # prepared by accelerate, wrapped without its accelerator (accelerate.py)
+        from .accelerate import PreparedWithoutAccelerator
+        return PreparedWithoutAccelerator(obj, select(obj, inner=True))
     if isinstance(obj, torch.nn.Module) and accelerator is None:
         from . import tensor_parallel
         parallel = tensor_parallel.find_parallel_modules(obj)
@@ -35,7 +41,7 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
                          "parallelize_module, and this one is not.")
     if accelerator is not None:
         from .accelerate import AccelerateEngine
-        return AccelerateEngine(obj, accelerator, select(obj))
+        return AccelerateEngine(obj, accelerator, select(obj, inner=True))
     if type(obj).__name__ == "PipelineEngine" and type(obj).__module__.startswith("deepspeed"):
         from .deepspeed_pipe import DeepSpeedPipeEngine
         return DeepSpeedPipeEngine(obj, full_model)

@@ -18,8 +18,12 @@ while the collective runs (it very likely repeats the last trace; undone when it
 """
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.distributed as dist
+
+from ..saving import saved_label
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
@@ -31,6 +35,7 @@ _HEADER = 5
 _START = 8 * _HEADER  # payload offset: 8-byte aligned, so every dtype views in place
 _CPU = torch.device("cpu")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_NO_LABELS: dict = {}
 
 
 def _tensors(obj, out: list):
@@ -94,14 +99,17 @@ class Exchange:
 
     def _exchange(self, saves: list) -> list:
         tensors, key = [], []
+        # what each saved tensor is (model.transformer.h[0].output.grad): part of the layout,
+        # so that the ranks check once per layout that they saved the same values
+        labels = getattr(saves, "labels", _NO_LABELS)
         for obj, mode, dim in saves:  # the per-tensor Python of a trace: kept to the minimum
             if type(obj) is torch.Tensor and mode != "none":
                 tensors.append(obj)
-                key.append((obj.dtype, obj.shape, mode, dim))
+                key.append((obj.dtype, obj.shape, mode, dim, saved_label(obj, labels)))
             elif mode != "none":  # subclasses, dicts, tuples
                 for t in _tensors(obj, []):
                     tensors.append(t)
-                    key.append((t.dtype, t.shape, mode, dim))
+                    key.append((t.dtype, t.shape, mode, dim, saved_label(t, labels)))
         last, prev, steady = self._last, self._prev, self._steady
         self._last = self._prev = self._steady = None  # set again when this exchange completes
         same = last is not None and last[0] == key
@@ -199,17 +207,27 @@ def _plain_wait(work) -> None:
 
 
 def _layout(meta: tuple) -> list:
-    """A rank's layout as ``[(dtype, shape, mode, dim, payload offset, nbytes)]``; every
-    tensor starts 8-byte aligned."""
+    """A rank's layout as ``[(dtype, shape, mode, dim, payload offset, nbytes, label)]``;
+    every tensor starts 8-byte aligned."""
     specs, at, offset = [], 0, 0
     while at < len(meta):
         dtype, mode, dim, ndim = _DTYPES[meta[at]], _MODES[meta[at + 1]], meta[at + 2], meta[at + 3]
         shape = tuple(meta[at + 4: at + 4 + ndim])
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        specs.append((dtype, shape, mode, dim, offset, nbytes))
-        offset += _round8(nbytes)
         at += 4 + ndim
+        size, words = meta[at], _round8(meta[at]) // 8
+        label = struct.pack(f"<{words}q", *meta[at + 1: at + 1 + words])[:size].decode()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        specs.append((dtype, shape, mode, dim, offset, nbytes, label))
+        offset += _round8(nbytes)
+        at += 1 + words
     return specs
+
+
+def _label_words(label: tuple) -> list:
+    """A saved tensor's label as int64s for the layout: its length in bytes, then its bytes."""
+    data = "".join(label).encode()
+    padded = data.ljust(_round8(len(data)), b"\0")
+    return [len(data), *struct.unpack(f"<{len(padded) // 8}q", padded)]
 
 
 class _Pack:
@@ -217,8 +235,9 @@ class _Pack:
 
     def __init__(self, key: list):
         self.meta = []
-        for dtype, shape, mode, dim in key:
-            self.meta += [_CODE[dtype], _MODES.index(mode), dim, len(shape), *shape]
+        for dtype, shape, mode, dim, label in key:
+            self.meta += [_CODE[dtype], _MODES.index(mode), dim, len(shape), *shape,
+                          *_label_words(label)]
         self.specs = _layout(self.meta)
         self.nbytes = sum(_round8(s[5]) for s in self.specs)
         # one shape and dtype, no padding: the payload is one [S, *shape] block for torch.stack
@@ -245,7 +264,7 @@ class _Pack:
                 views = (send, block.view(len(tensors), *shape))
             else:
                 views = (send, [send[_START + o: _START + o + n].view(d).view(s)
-                                for d, s, _, _, o, n in self.specs])
+                                for d, s, _, _, o, n, _ in self.specs])
             self._views = views
         if self.stack:
             self.block = views[1]  # [S, *shape]: this rank's values, while the buffer lives
@@ -269,7 +288,8 @@ class _Plan:
         own = specs[rank]
         self.wanted = [i for i, s in enumerate(own) if s[2] == "all" or rank == 0]
         self.shapes, self.dims = [], []
-        for i, (dtype, _, _, dim, _, _) in enumerate(own):  # checked on every rank alike
+        _check_same_values(specs)
+        for i, (dtype, _, _, dim, _, _, _) in enumerate(own):  # checked on every rank alike
             if any(s[i][0] != dtype for s in specs):
                 raise ValueError(f"saved tensor {i} has dtypes {[str(s[i][0]) for s in specs]} "
                                  f"on the ranks: save one dtype on every rank.")
@@ -317,6 +337,21 @@ class _Plan:
         return [[rows[r, _START + s[i][4]: _START + s[i][4] + s[i][5]].view(s[i][0])
                  .view(s[i][1] or (1,)) for r, s in enumerate(self.specs)]
                 for i in self.wanted]
+
+
+def _check_same_values(specs: list) -> None:
+    """Raise, on every rank alike, if the ranks saved different values at one place in the
+    trace's saves (rank 0 ``h[0].output.grad``, rank 1 ``h[1].output.grad``): joining them
+    would make one tensor of two different things."""
+    for i, first in enumerate(specs[0]):
+        labels = [s[i][6] for s in specs]
+        if any(label != first[6] for label in labels):
+            raise ValueError(
+                f"the ranks saved different values as saved tensor {i} of the trace (" +
+                ", ".join(f"rank {r}: {label}" for r, label in enumerate(labels)) + "). Saved "
+                "tensors are joined across ranks into one value, so every rank must save the "
+                "same values in the same order: make the saves on every rank and branch on the "
+                "values, or save rank-local values with .save(gather='none').")
 
 
 def _joined_shape(shapes: list[tuple], dim: int) -> tuple:

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RankFailedError
+from ..saving import LabelledSaves
+from ..session import current_body
 from . import collective
 from .agreement import Agreement, asked, where
 from .base import Engine
@@ -99,6 +101,12 @@ class DistributedEngine(Engine):
     def begin_trace(self) -> None:
         self._running = self._traces + 1
         self._watch.active.set()
+        if self._exchange is not None:
+            # name each saved gradient too, so that the gather can check that the ranks saved
+            # the same values (collective.py): the trace's body is current while it opens
+            body = current_body()
+            if body is not None:
+                body.saves = LabelledSaves(body)
 
     def end_trace(self, saves: list, error: BaseException | None):
         try:

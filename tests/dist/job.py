@@ -244,6 +244,51 @@ def case_rank_dependent_save(model, wrapped, rank, world):
     raise AssertionError("a save on rank 0 only did not raise")
 
 
+def case_different_values_saved(model, wrapped, rank, world):
+    """Rank r saves the gradient (then the output) of h[r % 2]: same shapes, different values.
+    Joined, they would make one tensor of two modules' rows; every rank must raise, naming what
+    each rank saved. The same saves on every rank then still give the oracle's numbers, with a
+    value computed in the body (no module's value) saved next to them."""
+    sizes = [2] * world
+    ids = global_ids(sum(sizes))
+    local = ids[rows_of(rank, sizes)]
+    mine = rank % 2
+    for mode in ("auto", "greenlet"):  # the body as a generator, then in place
+        distgrad.config.body_mode = mode
+        try:
+            for kind in ("output.grad", "output"):
+                try:
+                    with model.trace(local):
+                        a = model.transformer.h[mine].output
+                        if kind == "output":
+                            a.save()
+                        with (model.output.logits.sum() * SCALE).backward():
+                            if kind == "output.grad":
+                                a.grad.save()
+                except ValueError as exc:
+                    for r in range(world):
+                        named = f"rank {r}: model.transformer.h[{r % 2}].{kind}"
+                        if f"{named}," not in str(exc) and f"{named})" not in str(exc):
+                            raise AssertionError(f"({mode}) {named!r} not in: {exc}") from exc
+                else:
+                    raise AssertionError(f"({mode}) ranks saving h[0] and h[1]'s {kind} did not raise")
+                clear_grads(wrapped)
+            ref = oracle(ids)
+            with model.trace(local):
+                a = model.transformer.h[0].output
+                loss = model.output.logits.sum() * SCALE
+                with loss.backward():
+                    g = a.grad.save()
+                total = loss.detach().save()
+        finally:
+            distgrad.config.body_mode = "auto"
+        if rank == 0:
+            close(g, ref["g0"], f"gathered h[0] gradient after the error ({mode})")
+            close(total, torch.stack([ref["losses"][rows_of(r, sizes)].sum() * SCALE
+                                      for r in range(world)]), f"saved loss ({mode})")
+        clear_grads(wrapped)
+
+
 def case_rank_dependent_param_grad(model, wrapped, rank, world):
     """A parameter's gradient read on rank 0 only, inside the trace. Where the read is a local
     tensor (DDP) it works; where it is a collective (FSDP, ZeRO) the other rank never makes it:
@@ -297,7 +342,7 @@ def case_killed(model, wrapped, rank, world):
 
 
 CASES = {"all": [case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
-                 case_rank_dependent_save, case_failure],
+                 case_rank_dependent_save, case_different_values_saved, case_failure],
          "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad]}
 
 

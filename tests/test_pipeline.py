@@ -14,8 +14,9 @@ JOB = str(Path(__file__).parent / "dist" / "pp_job.py")
 
 
 # what pp_job.py runs with --cases all, each checked on every rank
-_ALL = ("case_read_edit", "case_read_edit_thread", "case_body_without_source",
-        "case_nothing_left_behind", "case_out_of_order")
+_ALL = ("case_read_edit", "case_read_edit_thread", "case_edits_read_back",
+        "case_edits_read_back_thread", "case_body_without_source", "case_nothing_left_behind",
+        "case_out_of_order")
 
 
 def _job(tmp_path, schedule, microbatches, world, cases="all", split="manual", width=8):
@@ -111,13 +112,14 @@ def test_late_forward_read_raises_instead_of_hanging(schedule, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["after_loss", "grad_order", "cross_grad", "rank_dependent",
-                                  "rank_dependent_grad"])
+                                  "rank_dependent_grad", "inputs_refused"])
 def test_order_errors_raise_instead_of_hanging(case, tmp_path):
     """A forward value after tr.loss (every rank raises); gradients of one stage in forward order
     (the rank missing the second raises, its owner hears of it); an edit whose gradient would
     have to flow back to an earlier stage (that stage raises, the other hears of it); bodies
     that ask for different values on different ranks (a value sent that nobody receives, a
-    gradient waited for that its owner never asked for)."""
+    gradient waited for that its owner never asked for); `.inputs`, (args, kwargs), which
+    cannot cross stages (every rank raises, pointing to `.input`)."""
     for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, cases=case)):
         assert result.get(f"case_{case}") == "ok", f"rank {rank}:\n{result.get(f'case_{case}')}"
 

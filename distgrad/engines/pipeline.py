@@ -34,7 +34,10 @@ sending stage, and between neighbouring stages it rides on the schedule's own me
 and none sends it (``only_opens_block``).
 
 An assignment to another stage's value is applied by its owner (which runs the same line); other
-ranks keep it in their copy only. A received value is a tensor of its own: an edit on one stage
+ranks keep it in their copy only. A value read back after an assignment is what the owner's read
+returns, sent again; a value read again with no assignment is the same tensor on every rank, so
+in-place edits show alike (``BodyRequests.module_value``). ``.input`` sends the call's first
+argument; ``.inputs`` (args and kwargs) cannot cross stages and raises on every rank. A received value is a tensor of its own: an edit on one stage
 built from an earlier stage's value would need a gradient sent back to that stage, which is not
 done; the receiving stage detects that its backward reached the copy and raises
 (``PipelineRun._check_earlier``), so no stage is left with gradients unlike one process's.

@@ -27,17 +27,30 @@ class BodyRequests:
         if body.block is not None or body.loss is not None:
             raise OutOfOrderError(f"{path}.{kind} was requested after tr.loss; read forward "
                                   f"values before tr.loss and `with tr.loss.backward():`.")
+        if kind == "input" and self.others and not _reads_first_input():
+            raise TypeError(_INPUTS.format(path=path))
         self._in_order(body, stage, True, path, "." + kind)
+        # Still at this value (the body asked for nothing else since it last read it): the
+        # read is answered from the same stop on every rank, as on one process, so an in-place
+        # edit made since is seen here as there and nothing is sent. Assigned since (`x.output
+        # = ...`, on every rank alike): the owner sends what its read returns now.
+        at = (id(module), kind)
+        last = body.at
+        again = last is not None and last[0] == at
+        if again and last[2].replacement is last[1]:
+            return last[2]
         body.seq += 1
         tag = body.index * 100_000 + body.seq
         if stage not in self.mine:
-            src = engine.rank_of_stage[stage]
-            event = self._moment(stage, body.index, True)
-            value = self._wait_remote(body, event, src, tag)
-            self.stage_of[id(value)] = (value, stage)
-            if event[0] == "F" and value.requires_grad:  # a value of an earlier stage
-                self._note_reach(value, f"{path}.{kind}", stage, body.index)
-            return Stop(("remote", tag), value, None, kind, 0, None)
+            value = self._wait_remote(body, self._moment(stage, body.index, True),
+                                      engine.rank_of_stage[stage], tag)
+            stop = last[2] if again else Stop(("remote", tag), _as_read(value, kind), None, kind,
+                                               0, None)
+            if again:  # the body's own assignment, unless the owner's numbers differ from it
+                value = self._own_or_received(stop, value, kind)
+            self._remember_remote(value, stage, body.index, f"{path}.{kind}")
+            body.at = (at, stop.replacement, stop)
+            return stop
         if ("F-end", stage, body.index) in self.fired:
             raise OutOfOrderError(_passed(path, kind))
         module = engine.local[id(module)]
@@ -49,16 +62,49 @@ class BodyRequests:
                     session.module_point(engine.local[id(outer._module)], outer._path, "output")
         stop = self._request_local(body, (point, body.index), ("F-end", stage, body.index),
                                    lambda: _passed(path, kind))
+        # what this read returns: the value, or what the body assigned; of a call's
+        # (args, kwargs), the tensor `.input` reads (the only part that crosses stages)
+        value = stop.value()
+        if kind == "input":
+            value = first_argument(value, path)
         if len(self.mine) > 1:  # (with one stage, grad() finds it without this entry)
-            self.stage_of[id(stop.view)] = (stop.view, stage)
-            if isinstance(stop.view, torch.Tensor) and stop.view.requires_grad:
+            self.stage_of[id(value)] = (value, stage)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
                 # another stage of this rank may use it in an edit
-                self._note_reach(stop.view, f"{path}.{kind}", stage, body.index)
-        self._send(stop.view, tag, body.index, True, stage)
+                self._note_reach(value, f"{path}.{kind}", stage, body.index)
+        # its bytes as they are now (pipeline_messages._entry): an in-place edit the body
+        # makes next, every other rank makes on its copy too
+        self._send(value, tag, body.index, True, stage)
+        body.at = (at, stop.replacement, stop)
         return stop
+
+    def _remember_remote(self, value, stage: int, microbatch: int, label: str) -> None:
+        """A value of another rank's ``stage`` handed to the body: its gradient comes from
+        there, and (of an earlier stage) no backward of this rank may reach it."""
+        self.stage_of[id(value)] = (value, stage)
+        if self._moment(stage, microbatch, True)[0] == "F" and value.requires_grad:
+            self._note_reach(value, label, stage, microbatch)
+
+    def _own_or_received(self, stop, value, kind: str):
+        """After an assignment, the owner's value read back (``value``) for ``stop``, this
+        rank's copy of the assigned stop. The body computed its own assignment from the same
+        values as the owner, so it is normally equal: then it stays what the read returns,
+        the same tensor as on the owner (an in-place edit of either is an edit of both). A
+        different one (noise the body drew on each rank) gives way to the owner's numbers,
+        those the model goes on with."""
+        own = stop.value()
+        if kind == "input":
+            own = first_argument(own, "")
+        if isinstance(own, torch.Tensor) and own.shape == value.shape and \
+                own.dtype == value.dtype and own.device == value.device and \
+                torch.equal(own.detach(), value.detach()):
+            return own
+        stop.replacement = _as_read(value, kind)
+        return value
 
     def loss(self, body):
         engine = self.engine
+        body.at = None
         body.seq += 1
         tag = body.index * 100_000 + body.seq
         # read as `with tr.loss.backward():` (frame 2: the body) the value reaches nothing the
@@ -93,6 +139,7 @@ class BodyRequests:
         else:  # a tensor the body made: the latest stage of this rank it read values of
             stage = max((s for s in self.mine if s <= body.last_stage), default=self.mine[0])
         self._in_order(body, stage, False, tensor, ".grad")
+        body.at = None
         body.seq += 1
         tag = body.index * 100_000 + body.seq
         if stage not in self.mine:
@@ -188,6 +235,42 @@ class BodyRequests:
 _STAND_IN = torch.zeros((), requires_grad=True)
 _LATE_LOSS = ("tr.loss was requested after the last stage had started the microbatch's backward; "
               "read tr.loss once, after the forward values and before the backward block.")
+
+
+_INPUTS = ("{path}.inputs: distgrad sends only tensors between pipeline stages, and a call's "
+           "(args, kwargs) is not one. Use {path}.input (the first positional argument, or the "
+           "first keyword's value), which every rank can read; for another argument, read the "
+           "output of the module that makes it.")
+
+
+def first_argument(pair, path: str):
+    """What ``.input`` reads of a call's ``(args, kwargs)`` (``Envoy.input``)."""
+    args, kwargs = pair
+    if args:
+        return args[0]
+    if kwargs:
+        return next(iter(kwargs.values()))
+    raise TraceStateError(f"{path}.input: this call has no arguments.")
+
+
+def _as_read(value, kind: str):
+    """A received value as the envoy reads it from a stop: ``.input`` of a call's arguments."""
+    return ((value,), {}) if kind == "input" else value
+
+
+def _reads_first_input() -> bool:
+    """Whether this request comes from ``.input`` (read or assigned), not ``.inputs``: the
+    envoy's property whose code is on the stack a few frames up (``.inputs`` cannot be sent)."""
+    from ..envoy import Envoy
+    first = (Envoy.input.fget.__code__, Envoy.input.fset.__code__)
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if frame.f_code in first:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _passed(path, kind):

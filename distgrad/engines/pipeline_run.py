@@ -53,6 +53,9 @@ class PipelineRun(BodyRequests, DirectSteps):
         bodies = [Body(trace, index=m, scheduler=scheduler) for m in range(n)]
         for body in bodies:
             body.seq, body.last_stage, body.loss = 0, -1, None
+            # the module value it read last, while it asks for nothing else: (module id and
+            # kind, the stop's assignment then, the stop) (BodyRequests.module_value)
+            body.at = None
             # while it waits for a local forward value or loss: the event after which that
             # value has passed (the marks: the scheduler's, or self.marks), else None
             body.passed_at = None

@@ -24,6 +24,8 @@ torch.set_num_threads(1)
 
 
 from distgrad.demo_pp import Blocks, build  # noqa: E402  the demo's 4-block MLP
+from pp_edits import (case_edits_read_back, case_edits_read_back_thread,  # noqa: E402
+                      case_inputs_refused)
 from pp_failures import (case_failure, case_killed, case_rank_dependent,  # noqa: E402
                          case_rank_dependent_far, case_rank_dependent_grad, case_slow_owner)
 from pp_hygiene import (case_body_without_source, case_nothing_left_behind,  # noqa: E402
@@ -222,7 +224,7 @@ def main():
     parser.add_argument("--cases", default="all",
                         choices=["all", "failure", "late_read", "after_loss", "grad_order",
                                  "cross_grad", "killed", "rank_dependent", "rank_dependent_grad",
-                                 "rank_dependent_far", "slow_owner", "refused"])
+                                 "rank_dependent_far", "slow_owner", "refused", "inputs_refused"])
     parser.add_argument("--split", default="manual", choices=["manual", "frontend"])
     parser.add_argument("--width", type=int, default=8)
     args = parser.parse_args()
@@ -260,14 +262,16 @@ def main():
            "batch": batch, "read_edit": case_read_edit,  # (for pp_hygiene's and pp_failures')
            "width": WIDTH, "blocks": BLOCKS}
     # each ends the job's group when it raises, so an error case runs last
-    cases = {"all": (case_read_edit, case_read_edit_thread, case_body_without_source,
+    cases = {"all": (case_read_edit, case_read_edit_thread, case_edits_read_back,
+                     case_edits_read_back_thread, case_body_without_source,
                      case_nothing_left_behind, case_out_of_order), "failure": (case_failure,),
              "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,),
              "cross_grad": (case_cross_grad,), "killed": (case_killed,),
              "rank_dependent": (case_rank_dependent,),
              "rank_dependent_grad": (case_rank_dependent_grad,),
              "rank_dependent_far": (case_rank_dependent_far,),
-             "slow_owner": (case_slow_owner,), "refused": (case_refused,)}[args.cases]
+             "slow_owner": (case_slow_owner,), "refused": (case_refused,),
+             "inputs_refused": (case_inputs_refused,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, ctx)
 
 

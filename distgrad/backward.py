@@ -16,6 +16,7 @@ from typing import Any, Callable
 import greenlet
 import torch
 
+from .checkpointing import no_grad_message, read_without_grad
 from .errors import TraceStateError
 from .points import GradPoint
 from .session import _UNSET, BODIES, Body, Session, current_body
@@ -242,6 +243,8 @@ def grad_stop(body: Body, tensor: torch.Tensor):
 
 
 def _no_grad_flows(body: Body, tensor) -> ValueError:
+    if read_without_grad(tensor):  # read inside a use_reentrant=True checkpointed block
+        return ValueError(no_grad_message(body.label_of(tensor)))
     return ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because it does "
                       f"not require grad (computed under torch.no_grad() or from frozen inputs "
                       f"only).")

@@ -74,7 +74,7 @@ def _cat(values: list, what: str):
 def narrow(value, rows: slice | None, size: int, slices: dict | None = None):
     """The part of a value that belongs to ``rows`` of a batch of ``size``.
 
-    Each tensor view made is recorded in ``slices`` (id -> (view, full)) so that a later
+    Each tensor view made is recorded in ``slices`` (id -> (view, full, rows)) so that a later
     ``view.grad`` can be served from the gradient of the full tensor."""
     if rows is None:
         return value
@@ -83,7 +83,7 @@ def narrow(value, rows: slice | None, size: int, slices: dict | None = None):
             return value
         view = value[rows]
         if slices is not None:
-            slices[id(view)] = (view, value)
+            slices[id(view)] = (view, value, rows)
         return view
     if isinstance(value, tuple):
         parts = [narrow(v, rows, size, slices) for v in value]

@@ -15,6 +15,7 @@ served the same way.
 from __future__ import annotations
 
 import sys
+import weakref
 
 import greenlet
 import torch
@@ -71,6 +72,8 @@ def run_invokes(trace) -> None:
             if not trace.backward.finished:
                 trace.backward.abort()
             trace.backward.close()
+        else:  # a backward after the trace fills them
+            fill_retained_grads(trace.slices)
     saved = {id(entry[0]) for body in bodies for entry in body.saves}
     trace.body.saves.extend(v for body in bodies for v in body.saves)
     names = {}
@@ -131,10 +134,41 @@ def _backward_session(trace, bodies: list[Body]) -> Session:
         return torch.autograd.backward([b.tensor for b in blocks], grads, **first.kwargs)
 
     from .backward import _threaded
+    fill_retained_grads(trace.slices)
     session = Session("backward", run, bodies, size=trace.forward.size,
                       threaded=_threaded(first.tensor))
     session.slices = trace.slices
     return session
+
+
+def fill_retained_grads(slices: dict) -> None:
+    """``retain_grad()`` on an invoke's rows of a value: the batch's graph goes on from the full
+    tensor, not from the body's slice of it, so the slice's own retained gradient would hold at
+    most what the body itself computed from it. A hook on the full tensor gives the slice its
+    rows of the full gradient, as ``retain_grad()`` on the whole batch and slicing would."""
+    for view, full, rows in slices.values():
+        if view.retains_grad and full.requires_grad:
+            full.register_hook(_RowsOfGrad(view, rows))
+
+
+class _RowsOfGrad:
+    """The hook: writes ``grad[rows]`` into the slice's ``.grad``, accumulated over backwards
+    as retain_grad() does. It holds the slice weakly: the full tensor holds the hook, and the
+    slice holds the full tensor (its base)."""
+
+    def __init__(self, view, rows: slice):
+        self.view = weakref.ref(view)
+        self.rows = rows
+        self.before = view.grad  # what the slice had accumulated before these backwards
+
+    def __call__(self, grad):
+        view = self.view()
+        if view is not None:
+            rows = grad[self.rows]
+            # Set, not added to view.grad: the slice's own retain_grad hook has already put
+            # there what the body computed from it, which these rows include.
+            total = rows.clone() if self.before is None else self.before + rows
+            view.grad = self.before = total
 
 
 def _wait(body: Body, key) -> None:

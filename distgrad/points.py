@@ -12,8 +12,12 @@ from collections import OrderedDict
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from . import checkpointing
+
 _NO_REPLY = None
 _Tensor = torch.Tensor
+_top_saved_tensor_hooks = checkpointing.top_saved_tensor_hooks
+_grad_enabled = checkpointing.grad_enabled
 
 
 def _new_hook_id() -> int:
@@ -100,7 +104,9 @@ class ModulePoint:
             self.calls = call + 1
         key = (self, call)
         if key in session.wanted:
-            return session.hand(key, output)
+            if _top_saved_tensor_hooks(True) is None and _grad_enabled():
+                return session.hand(key, output)
+            return checkpointing.hand(self, key, output)  # perhaps a checkpointed block
         return _NO_REPLY
 
     def _on_input(self, module, args, kwargs):
@@ -111,7 +117,9 @@ class ModulePoint:
             self.calls = call + 1
         key = (self, call)
         if key in session.wanted:
-            return session.hand(key, (args, kwargs))
+            if _top_saved_tensor_hooks(True) is None and _grad_enabled():
+                return session.hand(key, (args, kwargs))
+            return checkpointing.hand(self, key, (args, kwargs))
         return _NO_REPLY
 
     def remove(self):

@@ -164,3 +164,60 @@ def test_a_debuggers_trace_function_keeps_running_after_an_invoke(mlp):
     assert marker in lines
     with torch.no_grad():
         torch.testing.assert_close(out, mlp(x), atol=ATOL, rtol=0)
+
+
+def _retained_reference(net, tokenizer):
+    """Plain autograd: retain_grad() on the whole batch's h[-1] output, logits.sum() backward."""
+    enc = dict(tokenizer(TEXTS, return_tensors="pt", padding=True))
+    seen = {}
+
+    def on_output(mod, args, out):
+        out.retain_grad()
+        seen["out"] = out
+
+    net.zero_grad(set_to_none=True)
+    handle = net.transformer.h[-1].register_forward_hook(on_output)
+    try:
+        net(**enc).logits.sum().backward()
+    finally:
+        handle.remove()
+    net.zero_grad(set_to_none=True)
+    return seen["out"].grad
+
+
+def test_retain_grad_in_an_invoke_gives_its_rows(gpt2, tokenizer, backward_mode):
+    # The body's value is a slice of the batch's tensor, off the path the gradient takes: its
+    # retained .grad must still be its rows of the batch's gradient.
+    expected = _retained_reference(gpt2, tokenizer)
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    with model.trace() as tr:
+        with tr.invoke(TEXTS[0]):
+            a = model.transformer.h[-1].output
+            a.retain_grad()
+            a = a.save()
+            with model.output.logits.sum().backward():
+                pass
+        with tr.invoke(TEXTS[1:]):
+            b = model.transformer.h[-1].output
+            b.retain_grad()
+            b = b.save()
+            with (model.output.logits.sum() + b.sum()).backward():  # b itself on the path too
+                pass
+    torch.testing.assert_close(a.grad, expected[:1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(b.grad, expected[1:] + 1, atol=ATOL, rtol=0)
+
+
+def test_retain_grad_in_an_invoke_then_backward_after_the_trace(gpt2, tokenizer):
+    expected = _retained_reference(gpt2, tokenizer)
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    with model.trace() as tr:
+        with tr.invoke(TEXTS[0]):
+            a = model.transformer.h[-1].output
+            a.retain_grad()
+            a, la = a.save(), model.output.logits.sum().save()
+        with tr.invoke(TEXTS[1:]):
+            lb = model.output.logits.sum().save()
+    (la + lb).backward(retain_graph=True)
+    torch.testing.assert_close(a.grad, expected[:1], atol=ATOL, rtol=0)
+    (la + lb).backward()  # accumulates, as retain_grad() does
+    torch.testing.assert_close(a.grad, 2 * expected[:1], atol=ATOL, rtol=0)

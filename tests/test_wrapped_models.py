@@ -204,6 +204,16 @@ class CountingBackend:
         return run
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test compiles its own model with its own backend; dynamo's caches (and its limit of
+    eight recompiles of one function, which GPT-2's shared forward code reaches across tests)
+    start empty, so a test that counts compiled runs sees its own."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _compiled(how: str, backend):
     """(what to wrap, the eager module inside) for ``torch.compile(net)`` or ``net.compile()``."""
     net = _gpt2()

@@ -256,9 +256,23 @@ def grad_passed(root: torch.Tensor, tensor: torch.Tensor, body: Body, target=Non
         return ValueError(f"{label}.grad: the backward of {body.label_of(root)} finished without a "
                 f"gradient reaching {label}; it is not on the path from that tensor to the "
                 f"inputs. Open the backward block on a tensor computed from {label}.")
+    earlier = _read_before(body, tensor)
+    example = f" ({label}.grad before {earlier}.grad)" if earlier else ""
     return (f"{label}.grad was requested after the backward had passed it. Gradients arrive in "
-            f"reverse-forward order: request later layers' .grad first (e.g. "
-            f"model.h[1].output.grad before model.h[0].output.grad).")
+            f"reverse-forward order: request the .grad of values computed later in the forward "
+            f"first{example}.")
+
+
+def _read_before(body: Body, tensor) -> str | None:
+    """The label of the value the body read last before ``tensor`` in the forward, among those
+    a gradient can reach: a real path for the error's example."""
+    earlier = None
+    for value, path, kind in body.labels.values():
+        if value is tensor:
+            return earlier
+        if value.requires_grad:
+            earlier = path + kind
+    return None
 
 
 def _reaches(start, tensor) -> bool:

@@ -5,6 +5,9 @@ import torch
 import distgrad
 from conftest import ATOL, TEXT
 
+# every read and edit in every body mode (generator, in place, in place with a threaded backward)
+pytestmark = pytest.mark.usefixtures("backward_mode")
+
 
 def _enc(tokenizer, text=TEXT):
     return dict(tokenizer([text] if isinstance(text, str) else text, return_tensors="pt", padding=True))

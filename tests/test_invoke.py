@@ -5,6 +5,9 @@ import torch
 import distgrad
 from conftest import ATOL
 
+# every body mode (conftest.backward_mode), also for the tests that read or edit forward only
+pytestmark = pytest.mark.usefixtures("backward_mode")
+
 TEXTS = ["Hello world", "Paris is", "Rome isnt"]
 
 

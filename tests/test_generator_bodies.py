@@ -193,27 +193,40 @@ def test_a_debugger_keeps_tracing_across_a_generator_trace(mlp):
 
 
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-def test_library_tensor_hooks_see_plain_grad(mlp):
+def test_library_tensor_hooks_see_plain_grad(mlp, backward_mode):
     """A library's tensor hook on the very tensor the body edits, firing in the same backward,
     gets PyTorch's own ``.grad`` (None for a non-leaf), not the body's view: while the run is
-    on the stack the body is not registered."""
-    model = distgrad.wrap(mlp)
+    on the stack the body is not registered. The gradient it is handed and the parameter
+    gradients are those of plain autograd with the same two hooks (the library's registered
+    first, then the edit)."""
     x = torch.randn(2, 8)
-    seen = []
+    seen, handed = [], []
 
     def library_forward_hook(module, args, out):
-        out.register_hook(lambda grad: seen.append(out.grad))
+        def library_tensor_hook(grad):
+            seen.append(out.grad)
+            handed.append(grad.clone())
+        out.register_hook(library_tensor_hook)
 
     handle = mlp[2].register_forward_hook(library_forward_hook)
     try:
+        h = mlp[:3](x)
+        h.register_hook(lambda g: g * 2)
+        mlp[3:](h).sum().backward()
+        expected_params = param_grads(mlp)
+        mlp.zero_grad(set_to_none=True)
+        expected_handed, seen[:], handed[:] = handed[0], [], []
+        model = distgrad.wrap(mlp)
         with model.trace(x) as tr:
             h = model[2].output
             with model.output.sum().backward():
                 h.grad = h.grad * 2
     finally:
         handle.remove()
-    assert tr.generator is not None
+    assert (tr.generator is not None) == (backward_mode == "generator")
     assert seen == [None]
+    torch.testing.assert_close(handed[0], expected_handed, atol=ATOL, rtol=0)
+    assert_param_grads(mlp, expected_params, atol=PARAM_ATOL)
 
 
 def test_a_gradient_waited_for_in_vain_leaves_no_hook(mlp):

@@ -1,6 +1,7 @@
 """Nothing is left behind: hooks, the .grad property, threads, greenlets - after success, after
 errors, and over many traces; and traces work inside functions, loops and classes."""
 import gc
+import traceback
 import threading
 
 import pytest
@@ -227,4 +228,52 @@ def test_invoke_bodies_reuse_runner_greenlets(mlp):
     assert len(run._idle.runners) == pool
     seen.clear()
     assert _greenlets() == greenlets
+    _clean(mlp)
+
+
+def _users_body(model, x, where, tr_out):
+    """A body that raises ValueError in the forward or in a backward block."""
+    with model.trace(x) as tr:
+        tr_out.append(tr)
+        h = model[2].output
+        if where == "forward":
+            raise ValueError("the user's own")
+        with model.output.sum().backward():
+            h.grad
+            raise ValueError("the user's own")
+
+
+def _assert_shown_as_raised(exc, context_type):
+    """What Python shows is the user's exception with the user's own context (or none): the
+    exception distgrad raises to skip a body (SkipBody) is no part of it."""
+    assert type(exc.__context__) is context_type, repr(exc.__context__)
+    if context_type is not type(None):
+        assert exc.__context__.__context__ is None, repr(exc.__context__.__context__)
+    shown = "".join(traceback.format_exception(exc))
+    assert "SkipBody" not in shown, shown
+    if context_type is type(None):
+        assert "During handling" not in shown, shown
+
+
+@pytest.mark.usefixtures("backward_mode")
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_the_users_error_keeps_the_users_context(mlp, backward_mode, where):
+    model = distgrad.wrap(mlp)
+    x = torch.randn(2, 8)
+    traces = []
+    with pytest.raises(ValueError, match="the user's own") as info:
+        _users_body(model, x, where, traces)
+    assert (traces[0].generator is not None) == (backward_mode == "generator")
+    _assert_shown_as_raised(info.value, type(None))
+
+    # raised while the user handles an exception of their own, outside the trace: that one is
+    # the context, as in plain Python
+    traces.clear()
+    with pytest.raises(ValueError, match="the user's own") as info:
+        try:
+            raise KeyError("the user's first")
+        except KeyError:
+            _users_body(model, x, where, traces)
+    assert (traces[0].generator is not None) == (backward_mode == "generator")
+    _assert_shown_as_raised(info.value, KeyError)
     _clean(mlp)

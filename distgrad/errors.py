@@ -99,7 +99,10 @@ def forget_frames(exc: BaseException) -> None:
 def drop_context(exc: BaseException, internal: BaseException) -> None:
     """Unlink ``internal`` (an exception distgrad raised and handled itself) from the context
     chain of ``exc``, which Python set only because ``exc`` was raised while ``internal`` was
-    being handled. The user's traceback then shows their own exception, as it was raised."""
+    being handled. The user's traceback then shows their own exception, as it was raised:
+    the link goes to what was being handled when ``internal`` was raised (the user's own
+    exception, when the trace runs in an ``except`` block), as plain Python would have it."""
+    outer = internal.__context__
     for found in _chain(exc):
         if found.__context__ is internal:
-            found.__context__ = None
+            found.__context__ = outer if outer is not found else None  # (never a cycle)

@@ -90,9 +90,11 @@ def mlp(_mlp):
 
 @pytest.fixture(params=["generator", "greenlet", "thread"])
 def backward_mode(request):
-    """Run a backward test three ways: the body as a generator that the hooks resume (the
-    default, where the body qualifies); the body in place with the run in a greenlet; and the
-    backward in a worker thread (the CUDA path)."""
+    """Run a test three ways: the body as a generator that the hooks resume (the default, where
+    the body qualifies); the body in place with the run in a greenlet; and the body in place
+    with the backward in a worker thread (the CUDA path). Once CUDA is initialised every body
+    runs in place, so each forward and gradient edit test takes this fixture: a test that ran
+    only the default would let an edit lost in place pass."""
     old = distgrad.config.backward_mode, distgrad.config.body_mode
     distgrad.config.backward_mode = "auto" if request.param == "generator" else request.param
     distgrad.config.body_mode = "auto" if request.param == "generator" else "greenlet"

@@ -1,7 +1,8 @@
 """Backward blocks: gradient reads and edits against plain autograd, ordering, and errors.
 
-Each test runs twice: with the backward in a greenlet (CPU) and in a worker thread (the path
-CUDA takes, where autograd calls hooks on its own threads).
+Each test runs in every body mode (conftest.backward_mode): the body as a generator, in place
+with the backward in a greenlet (CPU), and in place with the backward in a worker thread (the
+path CUDA takes, where autograd calls hooks on its own threads).
 """
 import threading
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import distgrad
-from conftest import ATOL, TEXT, param_grads
+from conftest import ATOL, PARAM_ATOL, TEXT, assert_param_grads, param_grads
 
 pytestmark = pytest.mark.usefixtures("backward_mode")
 
@@ -143,13 +144,24 @@ def test_library_hooks_see_plain_grad_during_a_block(gpt2, tokenizer):
 
 
 def test_retain_grad_tensors_stay_plain(mlp):
+    """A backward block outside a trace leaves retain_grad alone: after it, ``h.grad`` and the
+    parameter gradients are the ones plain autograd gives (atol 1e-6 and 1e-5)."""
     x = torch.randn(2, 8)
+    plain_h = mlp[:3](x)
+    plain_out = mlp[3:](plain_h).sum()
+    expected_h_grad, = torch.autograd.grad(plain_out, plain_h, retain_graph=True)
+    plain_out.backward()
+    expected = param_grads(mlp)
+    mlp.zero_grad(set_to_none=True)
+
     h = mlp[:3](x)
     h.retain_grad()
     out = mlp[3:](h).sum()
     with out.backward():
         pass
     assert h.grad is not None and h.grad.shape == h.shape
+    torch.testing.assert_close(h.grad, expected_h_grad, atol=ATOL, rtol=0)
+    assert_param_grads(mlp, expected, atol=PARAM_ATOL)
 
 
 @pytest.mark.parametrize("bad, error, match", [

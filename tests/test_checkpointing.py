@@ -216,7 +216,7 @@ class _Half(torch.nn.Module):
         return x * 0.5  # saves nothing for the backward
 
 
-def test_second_call_of_a_module_in_a_block():
+def test_second_call_of_a_module_in_a_block(backward_mode):
     x = torch.randn(3, 4)
     plain, calls = _Block(between=True, checkpointed=False), []
 
@@ -238,7 +238,7 @@ def test_second_call_of_a_module_in_a_block():
     assert_param_grads(net, expected)
 
 
-def test_module_called_twice_at_one_place_raises():
+def test_module_called_twice_at_one_place_raises(backward_mode):
     net = _Block(between=False)
     model = distgrad.wrap(net)
     with pytest.raises(NotImplementedError, match=r"model\.shared\.output was edited inside a "

@@ -5,6 +5,9 @@ import torch
 import distgrad
 from conftest import ATOL, TEXT
 
+# every read and edit in every body mode (generator, in place, in place with a threaded backward)
+pytestmark = pytest.mark.usefixtures("backward_mode")
+
 
 def _enc(tokenizer, text=TEXT):
     return dict(tokenizer([text] if isinstance(text, str) else text, return_tensors="pt", padding=True))
@@ -213,6 +216,16 @@ def test_generate_reads_forward_but_refuses_backward(gpt2, tokenizer):
     with model.generate(TEXT, max_new_tokens=2, do_sample=False, pad_token_id=0):
         first = model.transformer.h[0].output.save()
     assert first.shape[:2] == (1, len(TEXT) + 1)
+    # plain generate: the block's output at its first call (the prompt's forward)
+    calls = []
+    handle = gpt2.transformer.h[0].register_forward_hook(lambda m, a, out: calls.append(out))
+    try:
+        with torch.no_grad():
+            gpt2.generate(**_enc(tokenizer), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    finally:
+        handle.remove()
+    assert len(calls) == 2  # one forward per new token
+    torch.testing.assert_close(first, calls[0], atol=ATOL, rtol=0)
     with pytest.raises(NotImplementedError, match="generate"):
         with model.generate(TEXT, max_new_tokens=2, do_sample=False, pad_token_id=0):
             out = model.output.logits

@@ -4,7 +4,8 @@ Each test checks which path the body took (``Trace.generator`` holds the plan wh
 generator) and compares the numbers with plain autograd (retain_grad / tensor hooks) on the
 same model and input, fp32, atol 1e-6 for values handed over unchanged, 1e-5 for parameter
 gradients. The other tests of the suite run their bodies on this path wherever they qualify;
-the ``backward_mode`` fixture runs the same programs in place as well.
+the ``backward_mode`` fixture runs the same programs in place as well, and so do the edit tests
+here (in place, ``Trace.generator`` is None).
 """
 import sys
 
@@ -38,7 +39,7 @@ def _oracle(mlp, x, layers, scale=2.0):
     return seen, grads
 
 
-def test_a_loop_of_reads_and_edits_matches_autograd(mlp):
+def test_a_loop_of_reads_and_edits_matches_autograd(mlp, backward_mode):
     """marginal.py's body: a comprehension of reads (run as a loop) and edits in reverse."""
     model = distgrad.wrap(mlp)
     x = torch.randn(3, 8)
@@ -52,7 +53,7 @@ def test_a_loop_of_reads_and_edits_matches_autograd(mlp):
             for a in reversed(acts):
                 gs.append(a.grad.save())
                 a.grad = a.grad * 2
-    assert tr.generator is not None
+    assert (tr.generator is not None) == (backward_mode == "generator")
     assert i == "kept"
     for layer, g in zip((0, 2, 4), gs[::-1]):
         torch.testing.assert_close(g, expected[layer], atol=ATOL, rtol=0)
@@ -60,7 +61,7 @@ def test_a_loop_of_reads_and_edits_matches_autograd(mlp):
     assert hook_count(mlp) == 0 and not BODIES
 
 
-def test_in_place_augmented_and_input_edits(mlp):
+def test_in_place_augmented_and_input_edits(mlp, backward_mode):
     """``t.grad[:] = ...``, ``t.grad *= ...`` and ``m.input = ...``: each store first waits for
     the run to reach its value."""
     model = distgrad.wrap(mlp)
@@ -72,7 +73,7 @@ def test_in_place_augmented_and_input_edits(mlp):
         with model.output.sum().backward():
             h4.grad *= 3
             h2.grad[:] = 1.0
-    assert tr.generator is not None
+    assert (tr.generator is not None) == (backward_mode == "generator")
     got = param_grads(mlp)
     mlp.zero_grad(set_to_none=True)
 
@@ -192,27 +193,40 @@ def test_a_debugger_keeps_tracing_across_a_generator_trace(mlp):
 
 
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-def test_library_tensor_hooks_see_plain_grad(mlp):
+def test_library_tensor_hooks_see_plain_grad(mlp, backward_mode):
     """A library's tensor hook on the very tensor the body edits, firing in the same backward,
     gets PyTorch's own ``.grad`` (None for a non-leaf), not the body's view: while the run is
-    on the stack the body is not registered."""
-    model = distgrad.wrap(mlp)
+    on the stack the body is not registered. The gradient it is handed and the parameter
+    gradients are those of plain autograd with the same two hooks (the library's registered
+    first, then the edit)."""
     x = torch.randn(2, 8)
-    seen = []
+    seen, handed = [], []
 
     def library_forward_hook(module, args, out):
-        out.register_hook(lambda grad: seen.append(out.grad))
+        def library_tensor_hook(grad):
+            seen.append(out.grad)
+            handed.append(grad.clone())
+        out.register_hook(library_tensor_hook)
 
     handle = mlp[2].register_forward_hook(library_forward_hook)
     try:
+        h = mlp[:3](x)
+        h.register_hook(lambda g: g * 2)
+        mlp[3:](h).sum().backward()
+        expected_params = param_grads(mlp)
+        mlp.zero_grad(set_to_none=True)
+        expected_handed, seen[:], handed[:] = handed[0], [], []
+        model = distgrad.wrap(mlp)
         with model.trace(x) as tr:
             h = model[2].output
             with model.output.sum().backward():
                 h.grad = h.grad * 2
     finally:
         handle.remove()
-    assert tr.generator is not None
+    assert (tr.generator is not None) == (backward_mode == "generator")
     assert seen == [None]
+    torch.testing.assert_close(handed[0], expected_handed, atol=ATOL, rtol=0)
+    assert_param_grads(mlp, expected_params, atol=PARAM_ATOL)
 
 
 def test_a_gradient_waited_for_in_vain_leaves_no_hook(mlp):

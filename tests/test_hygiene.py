@@ -1,6 +1,7 @@
 """Nothing is left behind: hooks, the .grad property, threads, greenlets - after success, after
 errors, and over many traces; and traces work inside functions, loops and classes."""
 import gc
+import traceback
 import threading
 
 import pytest
@@ -9,8 +10,7 @@ import torch
 import distgrad
 from distgrad import gradpatch
 from distgrad.session import BODIES
-from conftest import ATOL, TEXT, hook_count
-
+from conftest import ATOL, PARAM_ATOL, TEXT, assert_param_grads, hook_count, reference
 
 
 def _clean(net):
@@ -32,21 +32,41 @@ def _step(model, x, edit=True):
     return g
 
 
+def _plain_step(net, x):
+    """_step with plain autograd: the gradient reaching net[2]'s output, the parameter
+    gradients when it is doubled (_step's edit), and those of a plain backward (no edit)."""
+    _, grad, plain = reference(net, x, net[2])
+    _, _, doubled = reference(net, x, net[2], edit=lambda g: g * 2)
+    return grad, doubled, plain
+
+
+def _assert_step_matches(net, g, expected_grad, expected_params):
+    """fp32: atol 1e-6 for the gradient handed over unchanged, 1e-5 for parameter gradients."""
+    torch.testing.assert_close(g, expected_grad, atol=ATOL, rtol=0)
+    assert_param_grads(net, expected_params, atol=PARAM_ATOL)
+    net.zero_grad(set_to_none=True)
+
+
 @pytest.mark.usefixtures("backward_mode")
 def test_thousand_traces_leave_no_hooks_or_threads(mlp):
     model = distgrad.wrap(mlp)
     x = torch.randn(4, 8)
-    _step(model, x)
+    expected_grad, expected_params, plain = _plain_step(mlp, x)
+    _assert_step_matches(mlp, _step(model, x), expected_grad, expected_params)
     gc.collect()
     threads = threading.active_count()
-    for _ in range(1000):
+    for _ in range(999):
         _step(model, x)
+    mlp.zero_grad(set_to_none=True)
+    # the thousandth gives the numbers of the first
+    _assert_step_matches(mlp, _step(model, x), expected_grad, expected_params)
     gc.collect()
     _clean(mlp)
     assert threading.active_count() == threads
-    # a grad hook left on the activation would fire again in a later plain backward
+    # a hook left behind would fire again in a later plain backward: it gives plain numbers
     out = mlp(x).sum()
     out.backward()
+    assert_param_grads(mlp, plain, atol=PARAM_ATOL)
 
 
 def test_thread_mode_reuses_one_worker(mlp, monkeypatch):
@@ -76,7 +96,9 @@ def _worker_thread():
 def test_errors_leave_nothing_behind(mlp, where):
     model = distgrad.wrap(mlp)
     x = torch.randn(2, 8)
+    expected_grad, expected_params, _ = _plain_step(mlp, x)
     _step(model, x)  # thread mode keeps one idle worker for reuse: count it in the baseline
+    mlp.zero_grad(set_to_none=True)
     threads = threading.active_count()
 
     class Boom(Exception):
@@ -103,9 +125,11 @@ def test_errors_leave_nothing_behind(mlp, where):
         assert any("raise Boom" in str(entry.statement) for entry in info.traceback)
     _clean(mlp)
     assert threading.active_count() == threads
-    # and the model still works normally, traced or not
+    # and the model still works normally: the numbers of plain autograd
+    mlp.zero_grad(set_to_none=True)  # (the failed backward may have accumulated some)
     g = _step(model, x)
     assert g.shape == (2, 16)
+    _assert_step_matches(mlp, g, expected_grad, expected_params)
     _clean(mlp)
 
 
@@ -204,4 +228,52 @@ def test_invoke_bodies_reuse_runner_greenlets(mlp):
     assert len(run._idle.runners) == pool
     seen.clear()
     assert _greenlets() == greenlets
+    _clean(mlp)
+
+
+def _users_body(model, x, where, tr_out):
+    """A body that raises ValueError in the forward or in a backward block."""
+    with model.trace(x) as tr:
+        tr_out.append(tr)
+        h = model[2].output
+        if where == "forward":
+            raise ValueError("the user's own")
+        with model.output.sum().backward():
+            h.grad
+            raise ValueError("the user's own")
+
+
+def _assert_shown_as_raised(exc, context_type):
+    """What Python shows is the user's exception with the user's own context (or none): the
+    exception distgrad raises to skip a body (SkipBody) is no part of it."""
+    assert type(exc.__context__) is context_type, repr(exc.__context__)
+    if context_type is not type(None):
+        assert exc.__context__.__context__ is None, repr(exc.__context__.__context__)
+    shown = "".join(traceback.format_exception(exc))
+    assert "SkipBody" not in shown, shown
+    if context_type is type(None):
+        assert "During handling" not in shown, shown
+
+
+@pytest.mark.usefixtures("backward_mode")
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_the_users_error_keeps_the_users_context(mlp, backward_mode, where):
+    model = distgrad.wrap(mlp)
+    x = torch.randn(2, 8)
+    traces = []
+    with pytest.raises(ValueError, match="the user's own") as info:
+        _users_body(model, x, where, traces)
+    assert (traces[0].generator is not None) == (backward_mode == "generator")
+    _assert_shown_as_raised(info.value, type(None))
+
+    # raised while the user handles an exception of their own, outside the trace: that one is
+    # the context, as in plain Python
+    traces.clear()
+    with pytest.raises(ValueError, match="the user's own") as info:
+        try:
+            raise KeyError("the user's first")
+        except KeyError:
+            _users_body(model, x, where, traces)
+    assert (traces[0].generator is not None) == (backward_mode == "generator")
+    _assert_shown_as_raised(info.value, KeyError)
     _clean(mlp)

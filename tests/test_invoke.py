@@ -5,6 +5,9 @@ import torch
 import distgrad
 from conftest import ATOL
 
+# every body mode (conftest.backward_mode), also for the tests that read or edit forward only
+pytestmark = pytest.mark.usefixtures("backward_mode")
+
 TEXTS = ["Hello world", "Paris is", "Rome isnt"]
 
 
@@ -78,15 +81,19 @@ def test_invoke_backward_rows_and_edit(gpt2, tokenizer, backward_mode):
 
 
 def test_unsaved_invoke_names_explain_themselves(mlp):
+    x = torch.randn(2, 8)
+
     def traced():
         with distgrad.wrap(mlp).trace() as tr:
-            with tr.invoke(torch.randn(2, 8)):
+            with tr.invoke(x):
                 kept = mlp_out = distgrad.save(tr.model[2].output)
                 dropped = tr.model[4].output
         return kept, dropped, mlp_out
 
     kept, dropped, alias = traced()
     assert kept.shape == (2, 16) and alias is kept
+    with torch.no_grad():  # the saved value is the plain one (handed over unchanged)
+        torch.testing.assert_close(kept, mlp[:3](x), atol=ATOL, rtol=0)
     with pytest.raises(distgrad.NotSavedError, match="'dropped' was bound inside"):
         print(dropped)
     with pytest.raises(NameError):

@@ -33,7 +33,7 @@ def test_main_program_matches_autograd(gpt2, tokenizer, backward_mode):
             assert not same, name
 
 
-def test_llama_and_mlp_gradients(llama, mlp, tokenizer):
+def test_llama_and_mlp_gradients(llama, mlp, tokenizer, backward_mode):
     model = distgrad.wrap(llama, tokenizer=tokenizer)
     with model.trace(TEXT):
         h = model.model.layers[1].output

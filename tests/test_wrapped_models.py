@@ -172,7 +172,7 @@ def test_unserved_assignments_raise_and_change_nothing(gpt2, where):
     assert hook_count(gpt2) == 0
 
 
-def test_peft_short_path_assignment_is_not_lost(lora):
+def test_peft_short_path_assignment_is_not_lost(lora, backward_mode):
     """The silent wrong this guards: `model.transformer.h[0].output = ...` on a PEFT model used
     to land on the module as a plain attribute."""
     model = distgrad.wrap(lora)

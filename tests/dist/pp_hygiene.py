@@ -12,7 +12,8 @@ from torch import nn
 
 import distgrad
 from cases import expect_error  # noqa: E402  (tests/dist is the script's folder)
-from distgrad.demo_pp import Blocks
+from distgrad.demo_pp import Blocks, build
+from cases import close  # noqa: E402
 
 
 # what a trace patches on a stage or the schedule for its duration (PipelineEngine.instrument
@@ -44,13 +45,39 @@ def footprint(model, net, ctx) -> dict:
             "idle runners": len(getattr(_idle, "runners", ()))}
 
 
+def _plain_step(ctx) -> dict:
+    """case_nothing_left_behind's step with plain autograd on the unsplit model (built with the
+    job's weights), the whole batch at once: layers[1]'s output, layers[3]'s gradient, and the
+    parameter gradients after layers[1]'s gradient is doubled."""
+    net = build(ctx["width"], ctx["blocks"])
+    x, y = ctx["batch"]()
+    seen = {}
+
+    def on_layer1(module, args, out):
+        seen["h1"] = out.detach().clone()
+        out.register_hook(lambda g: g * 2)
+
+    def on_layer3(module, args, out):
+        out.register_hook(lambda g: seen.__setitem__("g3", g.detach().clone()))
+
+    handles = [net.layers[1].register_forward_hook(on_layer1),
+               net.layers[3].register_forward_hook(on_layer3)]
+    nn.MSELoss()(net(x), y).backward()
+    for handle in handles:
+        handle.remove()
+    seen["params"] = {n: p.grad.clone() for n, p in net.named_parameters()}
+    return seen
+
+
 def case_nothing_left_behind(model, net, ctx):
     """30 more traces leave the footprint of the first: nothing grows (hooks, patched methods,
     registered bodies, threads other than pooled idle helpers, the engine's records, pooled
-    greenlets)."""
+    greenlets); and every one of them gives the numbers of plain autograd on the unsplit model
+    (atol 1e-5; the body's gradient is its microbatch's, M times the whole batch's: pp_job)."""
     x, y = ctx["batch"]()
+    ref = _plain_step(ctx)
 
-    def step():
+    def step(i):
         with model.trace(x, target=y) as tr:
             h = model.layers[1].output.save()
             model.layers[2].output = model.layers[2].output * 1
@@ -58,14 +85,19 @@ def case_nothing_left_behind(model, net, ctx):
             with tr.loss.backward():
                 g = h3.grad.save()
                 h.grad = h.grad * 2
+        close(h, ref["h1"], f"trace {i}: layers[1] output")
+        close(g, ref["g3"] * ctx["m"], f"trace {i}: layers[3] gradient")
+        mine = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+        assert mine, "this rank's stages got no parameter gradient"
+        for name, grad in mine.items():
+            close(grad, ref["params"][name], f"trace {i}: gradient of {name}")
         net.zero_grad(set_to_none=True)
-        return h, g
-    step()
+    step(0)
     first = footprint(model, net, ctx)
     assert first["hooks"] == 0 and not first["patched"] and first["bodies"] == 0 and \
         first["blocked helpers"] == 0, first
-    for _ in range(30):
-        step()
+    for i in range(1, 31):
+        step(i)
     assert footprint(model, net, ctx) == first, (first, footprint(model, net, ctx))
 
 

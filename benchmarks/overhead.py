@@ -186,9 +186,9 @@ def main() -> int:
     if not a.no_nnsight:
         # nnsight last: importing it replaces torch.Tensor.backward and mounts .save() on every
         # object for the rest of the process. First undo distgrad's import-time patches (distgrad
-        # is done): its Tensor.save would shadow nnsight's object-wide .save(), nnsight would
-        # capture distgrad's Tensor.backward wrapper as "the original", and its .grad property
-        # (if this distgrad installs one at import) would sit under nnsight's own.
+        # is done): they would defer to nnsight's outside distgrad's traces, but each deferral is
+        # one more call on nnsight's path (its backward would call distgrad's as "the original",
+        # its .save() would be reached through distgrad's Tensor.save), which is not nnsight's cost.
         torch.Tensor.backward = getattr(torch.Tensor.backward, "__wrapped__", torch.Tensor.backward)
         for patched in ("save", "grad"):  # torch itself defines neither on torch.Tensor
             if patched in torch.Tensor.__dict__:

@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from . import engines, gradpatch, saving
+from . import engines, patches
 from .backward import BackwardTracer, config
 from .errors import NotSavedError, OutOfOrderError, RankFailedError, TraceStateError
 from .saving import save
@@ -42,9 +42,7 @@ def wrap(module, tokenizer=None, accelerator=None, tp_shards: dict | None = None
                                 full_model=full_model), tokenizer=tokenizer)
 
 
-BackwardTracer.install()
-saving.install()
-gradpatch.install()
+patches.install()  # Tensor.backward, Tensor.save, Tensor.grad
 
 __all__ = ["wrap", "save", "BackwardTracer", "Model", "Trace", "OutOfOrderError",
            "NotSavedError", "TraceStateError", "RankFailedError", "config", "engines"]

@@ -2,7 +2,9 @@
 
 ``install()`` wraps ``torch.Tensor.backward`` so that a call written as the subject of a ``with``
 statement returns a ``BackwardTracer`` instead of running at once; any other call runs the real
-backward unchanged, inside a trace or not. Inside the block the real backward runs as a coroutine
+backward unchanged, inside a trace or not. If another library replaced ``Tensor.backward``
+before (nnsight does, for its own ``with loss.backward():``), every call outside a distgrad body
+is that library's. Inside the block the real backward runs as a coroutine
 of the body (``run.py``): ``t.grad`` stops it where the gradient of ``t`` is computed, and what the
 body puts there flows on upstream.
 """
@@ -72,7 +74,9 @@ class BackwardTracer:
         if body is not None and body.block is not None:
             raise TraceStateError("a backward block is already open in this body; close it "
                                   "before opening another.")
-        if body is None:
+        if body is None:  # a block outside any trace
+            from .patches import keep_on_top  # (patches imports this module)
+            keep_on_top()
             body = Body(None)
             BODIES[greenlet.getcurrent()] = body
             self._own_body = True
@@ -140,11 +144,37 @@ class BackwardTracer:
                  frame.f_locals if locals is None else locals)
 
     @staticmethod
-    def install() -> None:
-        """Make ``with t.backward(...):`` open a BackwardTracer. Idempotent; run at import."""
-        if getattr(torch.Tensor.backward, "_distgrad", False):
-            return
-        real = torch.Tensor.backward
+    def install():
+        """Make ``with t.backward(...):`` open a BackwardTracer, over whatever ``backward``
+        ``torch.Tensor`` has now (see ``BackwardAttribute``). Does nothing while it is still
+        there; returns it."""
+        global _installed
+        current = torch.Tensor.__dict__.get("backward")
+        if current is None or current is not _installed:
+            _installed = BackwardAttribute(current)
+            torch.Tensor.backward = _installed
+        return _installed
+
+
+_installed = None  # the BackwardAttribute of the latest install
+
+
+class BackwardAttribute:
+    """``torch.Tensor.backward`` as distgrad installs it over ``previous`` (the entry the class
+    had: PyTorch's own function, or another library's backward).
+
+    A descriptor rather than a wrapper function, so that where distgrad has no body it hands out
+    ``previous`` itself, bound, for the caller to call directly: a library such as nnsight
+    finds the ``with`` block of ``with loss.backward():`` by counting frames up from its own
+    backward, and a wrapper between the caller and it would shift that count. Over PyTorch's
+    own backward there is nobody to hand the call to, and distgrad serves ``with`` blocks
+    outside any trace too. ``torch.Tensor.backward`` read off the class is the function
+    (``__wrapped__``: the backward it calls)."""
+
+    __slots__ = ("function", "previous", "defers")
+
+    def __init__(self, previous):
+        real = previous.__get__(None, torch.Tensor)  # a function: PyTorch's, or another's
 
         def backward(self, *args, **kwargs):
             if _opens_with(sys._getframe(1)):
@@ -153,8 +183,22 @@ class BackwardTracer:
 
         backward.__doc__ = real.__doc__
         backward.__wrapped__ = real
-        backward._distgrad = True
-        torch.Tensor.backward = backward
+        self.function = backward
+        self.previous = previous
+        self.defers = not _is_torch_backward(real)
+
+    def __get__(self, tensor, owner=None):
+        if tensor is None:
+            return self.function
+        if self.defers and (not BODIES or BODIES.get(greenlet.getcurrent()) is None):
+            return self.previous.__get__(tensor, owner)
+        return types.MethodType(self.function, tensor)
+
+
+def _is_torch_backward(function) -> bool:
+    code = getattr(function, "__code__", None)
+    return (code is not None and code.co_name == "backward"
+            and code.co_filename == torch._tensor.__file__)
 
 
 def _threaded(tensor) -> bool:

@@ -5,13 +5,15 @@
 empty-dict check). Only then, and only for a tensor of the graph that is not an ``nn.Parameter``
 and does not ``retain_grad()``, is the read or write served by distgrad. Every other caller - an
 optimizer, FSDP's post-backward, DeepSpeed's ZeRO hooks, a ``register_post_accumulate_grad_hook``
-- runs on autograd's thread, in the run's greenlet or outside any body, and gets PyTorch's own
-descriptor, so it sees exactly what it would without distgrad.
+- runs on autograd's thread, in the run's greenlet or outside any body, and gets the ``grad``
+``torch.Tensor`` had before (PyTorch's own descriptor, or a property another library installed
+first), so it sees exactly what it would without distgrad.
 
 Why once at import and not per trace: changing a class attribute of ``torch.Tensor`` resets
 CPython's specialised bytecode for every tensor method call site, which cost ~80 us on the next
 forward of a tiny GPT-2 (measured: ``benchmarks/overhead.py`` history in docs/performance.rst);
-the property itself costs ~0.1 us per ``.grad`` access.
+the property itself costs ~0.1 us per ``.grad`` access. A trace installs it again only if
+another library has put its own ``grad`` over it since (``patches.keep_on_top``).
 """
 from __future__ import annotations
 
@@ -36,56 +38,75 @@ def _served(tensor) -> bool:
             and not tensor.retains_grad)
 
 
-# _get and _set run for every `.grad` in a body (three times per read+edit), so the common
-# cases are written out here rather than called: Stop.value(), _served(), Stop.replace().
-def _get(tensor):
-    if BODIES:
-        body = BODIES.get(_getcurrent())
-        if body is not None:
-            stop = body.stop
-            if stop is not None and stop.tensor is tensor:  # the gradient the backward is at
-                value = stop.replacement
-                return stop.view if value is _UNSET else value
-            if ((tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter))
-                    and not tensor.retains_grad):
-                if body.block is not None:
-                    stop = grad_stop(body, tensor)
+class BodyGrad(property):
+    """The ``grad`` property distgrad puts on ``torch.Tensor`` (a subclass only to be told
+    apart from another library's property)."""
+
+    __slots__ = ()
+
+
+def make_property(previous) -> BodyGrad:
+    """The body-aware ``grad`` over ``previous``: the ``grad`` that ``torch.Tensor`` had before
+    (PyTorch's own descriptor, or a property another library installed). Every caller that is
+    not a distgrad body gets ``previous``, so that library sees exactly what it would without
+    distgrad. Made per install: see ``saving.make_tensor_save``."""
+    get_previous = previous.__get__
+    set_previous = getattr(previous, "__set__", _PLAIN.__set__)
+    delete_previous = getattr(previous, "__delete__", _PLAIN.__delete__)
+
+    # get_grad and set_grad run for every `.grad` in a body (three times per read+edit), so the common
+    # cases are written out here rather than called: Stop.value(), _served(), Stop.replace().
+    def get_grad(tensor):
+        if BODIES:
+            body = BODIES.get(_getcurrent())
+            if body is not None:
+                stop = body.stop
+                if stop is not None and stop.tensor is tensor:  # the gradient the backward is at
                     value = stop.replacement
                     return stop.view if value is _UNSET else value
-                refuse_outside_block(body, tensor)
-    return _PLAIN.__get__(tensor, tensor.__class__)
+                if ((tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter))
+                        and not tensor.retains_grad):
+                    if body.block is not None:
+                        stop = grad_stop(body, tensor)
+                        value = stop.replacement
+                        return stop.view if value is _UNSET else value
+                    refuse_outside_block(body, tensor)
+        return get_previous(tensor, tensor.__class__)
+
+    def set_grad(tensor, value):
+        if BODIES:
+            body = BODIES.get(_getcurrent())
+            if body is not None:
+                stop = body.stop
+                if stop is not None and stop.tensor is tensor:  # `t.grad = t.grad * 2`
+                    old = stop.view
+                    if not (value.__class__ is _Tensor and value.shape == old.shape
+                            and value.dtype == old.dtype and value.device == old.device):
+                        check_replacement_grad(lambda: body.label_of(tensor) + ".grad", old,
+                                               value)
+                    stop.replacement = value
+                    return
+                if body.block is not None and _served(tensor) and tensor.requires_grad:
+                    write_grad(body, tensor, value)
+                    return
+        set_previous(tensor, value)
+
+    return BodyGrad(get_grad, set_grad, delete_previous, _PLAIN.__doc__)
 
 
-def _set(tensor, value):
-    if BODIES:
-        body = BODIES.get(_getcurrent())
-        if body is not None:
-            stop = body.stop
-            if stop is not None and stop.tensor is tensor:  # `t.grad = t.grad * 2`
-                old = stop.view
-                if not (value.__class__ is _Tensor and value.shape == old.shape
-                        and value.dtype == old.dtype and value.device == old.device):
-                    check_replacement_grad(lambda: body.label_of(tensor) + ".grad", old, value)
-                stop.replacement = value
-                return
-            if body.block is not None and _served(tensor) and tensor.requires_grad:
-                write_grad(body, tensor, value)
-                return
-    _PLAIN.__set__(tensor, value)
+_installed = None  # the property of the latest install
 
 
-def _delete(tensor):
-    _PLAIN.__delete__(tensor)
-
-
-_PROPERTY = property(_get, _set, _delete, _PLAIN.__doc__)
-
-
-def install() -> None:
-    """Add the body-aware ``grad`` property to ``torch.Tensor``. Idempotent."""
-    if torch.Tensor.__dict__.get("grad") is not _PROPERTY:
-        torch.Tensor.grad = _PROPERTY
+def install():
+    """Put the body-aware ``grad`` property on ``torch.Tensor``, over whatever is there now.
+    Does nothing while it is still there; returns it."""
+    global _installed
+    current = torch.Tensor.__dict__.get("grad")
+    if current is None or current is not _installed:
+        _installed = make_property(_PLAIN if current is None else current)
+        torch.Tensor.grad = _installed
+    return _installed
 
 
 def is_installed() -> bool:
-    return torch.Tensor.__dict__.get("grad") is _PROPERTY
+    return _installed is not None and torch.Tensor.__dict__.get("grad") is _installed

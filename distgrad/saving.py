@@ -1,7 +1,9 @@
 """``.save()``: keeping values for after the trace.
 
-``tensor.save()`` (added to ``torch.Tensor`` at import; a new name, so no existing behaviour
-changes) and ``distgrad.save(obj)`` mark a value as a result of the trace and return it unchanged.
+``tensor.save()`` (added to ``torch.Tensor`` at import) and ``distgrad.save(obj)`` mark a value
+as a result of the trace and return it unchanged. Outside a distgrad body ``tensor.save()`` is
+whatever it would be without distgrad: another library's ``save`` (nnsight mounts one on every
+object), or with none distgrad's error.
 In a body written directly under ``with model.trace(...)`` every name is an ordinary Python name,
 so an unsaved value is still there afterwards; saving is what makes a value reach the code after
 an invoke block, and what a parallel engine gathers to rank 0.
@@ -49,30 +51,53 @@ def save(obj, *, gather: str = "rank0", dim: int = 0):
     return obj
 
 
-_previous_save = None  # a Tensor.save another library defined before distgrad was imported
+def make_tensor_save(previous):
+    """``Tensor.save`` as distgrad installs it over ``previous``, the ``save`` that
+    ``torch.Tensor`` itself had (another library's, or None).
+
+    In a distgrad body it keeps the tensor. Anywhere else it hands the call to the ``save`` the
+    tensor would have without distgrad: ``previous``, or else one a base class has (nnsight
+    mounts its ``save`` on ``object``), looked up at each call so that a library imported after
+    distgrad is found too. With neither, distgrad's error for a save outside any trace. Made
+    per install (a closure, not a module global) so that a library that wrapped an earlier
+    install and was then wrapped in turn (``keep_on_top``) makes a chain, never a loop."""
+
+    def tensor_save(self, *args, **kwargs):
+        """distgrad: keep this tensor for use after the trace (see ``distgrad.save``)."""
+        if not args and not kwargs and BODIES:  # `t.save()` in a body: save() written out
+            body = BODIES.get(_getcurrent())
+            if body is not None:
+                body.saves.append((self, "rank0", 0))
+                return self
+        if current_body() is None:  # not in a distgrad body: e.g. in nnsight's own trace
+            if previous is not None:
+                return bound(previous, self)(*args, **kwargs)
+            inherited = getattr(super(torch.Tensor, self), "save", None)
+            if inherited is not None:
+                return inherited(*args, **kwargs)
+        return save(self, *args, **kwargs)
+
+    return tensor_save
 
 
-def _tensor_save(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """distgrad: keep this tensor for use after the trace (see ``distgrad.save``)."""
-    if not args and not kwargs and BODIES:  # `t.save()` in a body: save() written out
-        body = BODIES.get(_getcurrent())
-        if body is not None:
-            body.saves.append((self, "rank0", 0))
-            return self
-    if _previous_save is not None and current_body() is None:
-        return _previous_save(self, *args, **kwargs)  # not ours: e.g. nnsight's own trace
-    return save(self, *args, **kwargs)
+def bound(attribute, tensor):
+    """``attribute`` (an entry of a class's dict) as ``tensor.<name>`` would give it."""
+    get = getattr(type(attribute), "__get__", None)
+    return attribute if get is None else get(attribute, tensor, type(tensor))
 
 
-def install() -> None:
-    """Add ``Tensor.save``. If another library (nnsight) added one first, distgrad's serves
-    distgrad bodies and hands every other call to it."""
-    global _previous_save
-    existing = torch.Tensor.__dict__.get("save")
-    if existing is _tensor_save:
-        return
-    _previous_save = existing
-    torch.Tensor.save = _tensor_save
+_installed = None  # the Tensor.save of the latest install
+
+
+def install():
+    """Put distgrad's ``Tensor.save`` on ``torch.Tensor``, over whatever is there now (see
+    ``make_tensor_save``). Does nothing while it is still there; returns it."""
+    global _installed
+    current = torch.Tensor.__dict__.get("save")
+    if current is None or current is not _installed:
+        _installed = make_tensor_save(current)
+        torch.Tensor.save = _installed
+    return _installed
 
 
 class LabelledSaves(list):

@@ -11,7 +11,7 @@ import sys
 import greenlet
 import torch
 
-from . import batching, capture, engines, generator_body, wrappers
+from . import batching, capture, engines, generator_body, patches, wrappers
 from .backward import config
 from .envoy import Envoy
 from .errors import OutOfOrderError, TraceStateError, drop_context, forget_frames
@@ -78,6 +78,7 @@ class Trace:
 
     # -- the with-block -------------------------------------------------------------------
     def __enter__(self) -> "Trace":
+        patches.keep_on_top()  # a library imported since may have replaced Tensor.backward
         self.body = Body(self)
         self._glet = greenlet.getcurrent()
         if self._glet in BODIES:

@@ -1,0 +1,38 @@
+"""The three attributes distgrad puts on ``torch.Tensor``, and how they live with other libraries.
+
+``save`` (saving.py), ``grad`` (gradpatch.py) and ``backward`` (backward.py) are installed once,
+at import, each over whatever the class had, and each serves only distgrad's bodies: every other
+caller gets what it would have without distgrad (PyTorch's own attribute, or another library's,
+such as nnsight's ``with loss.backward():`` and its ``.save()``).
+
+A library imported after distgrad may put its own attribute over distgrad's (nnsight replaces
+``Tensor.backward`` the first time it traces). Then distgrad's would no longer see its own
+bodies: ``with loss.backward():`` in a distgrad trace would open the other library's block.
+So every trace (and every backward block outside a trace) first checks that the three are still
+distgrad's, and installs any that is not again, over the other library's, which it then defers
+to. The check is three lookups in the class's dict; the install happens only after another
+library has changed the class (see gradpatch.py for why installs are kept rare).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import gradpatch, saving
+from .backward import BackwardTracer
+
+_ours = (None, None, None)  # distgrad's backward, save and grad, as last installed
+
+
+def install() -> None:
+    """Put distgrad's three attributes on ``torch.Tensor``, each over what is there now."""
+    global _ours
+    _ours = (BackwardTracer.install(), saving.install(), gradpatch.install())
+
+
+def keep_on_top() -> None:
+    """Install again any of distgrad's three attributes that another library has replaced."""
+    attrs = torch.Tensor.__dict__
+    backward, save, grad = _ours
+    if (attrs.get("backward") is not backward or attrs.get("save") is not save
+            or attrs.get("grad") is not grad):
+        install()

@@ -2,7 +2,7 @@
 
 The greenlet design (``run.py``) pauses the model's run in a second greenlet and switches stacks
 twice per value the body asks for. ``benchmarks/marginal.py`` measures that switching alone
-above what a read+edit may cost in all (``docs/performance.md``). So where a body
+at about what a read+edit may cost in all (``docs/performance.md``). So where a body
 allows it (``generator_survey.py`` decides; ``generator_body.py`` rewrites each ``.output`` /
 ``.grad`` into a ``yield``), the roles turn round: the trace calls the forward (and later the
 backward) itself, on its own stack, and the hook that produces a wanted value resumes the body

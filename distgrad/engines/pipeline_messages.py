@@ -153,7 +153,7 @@ class Messages(RequestChecks):
         # The schedule's bytes, then the batch's first _CAP, put together in Python: six torch
         # calls (a flat byte view of the activation, an empty tensor, two slices and two
         # copies) are dear in the middle of a step, and one tensor made over the joined bytes
-        # is not (benchmarks/diagnostics/pp_segments.py times both).
+        # is not (benchmarks/diagnostics/pp_segments.py times the packing).
         both = bytearray(_bytes_of(op.tensor))
         both += memoryview(data)[:_CAP]
         op.tensor = _uint8(both)  # (the op is the schedule's own, made for this one message)

@@ -295,7 +295,7 @@ def _no_grad_flows(body: Body, tensor) -> ValueError:
 
 
 def grad_passed(root: torch.Tensor, tensor: torch.Tensor, body: Body, target=None):
-    label = body.label_of(tensor)  # worded only on this error path: naming costs ~14 us
+    label = body.label_of(tensor)  # worded only on this error path: naming is dear
     if not _reaches(root.grad_fn, tensor if target is None else target):
         return ValueError(f"{label}.grad: the backward of {body.label_of(root)} finished without a "
                 f"gradient reaching {label}; it is not on the path from that tensor to the "

@@ -1,8 +1,8 @@
 """A trace body run as a generator that the run's own hooks resume, with no stack switching.
 
 The greenlet design (``run.py``) pauses the model's run in a second greenlet and switches stacks
-twice per value the body asks for. ``benchmarks/marginal.py`` measures that switching at 20-30 us
-per read+edit on this machine, above the 20 us a read+edit may cost in all. So where a body
+twice per value the body asks for. ``benchmarks/marginal.py`` measures that switching alone
+at about what a read+edit may cost in all (``docs/performance.md``). So where a body
 allows it (``generator_survey.py`` decides; ``generator_body.py`` rewrites each ``.output`` /
 ``.grad`` into a ``yield``), the roles turn round: the trace calls the forward (and later the
 backward) itself, on its own stack, and the hook that produces a wanted value resumes the body
@@ -76,9 +76,9 @@ class GeneratorDriver:
 
     # -- what the rewritten body calls --------------------------------------------------
     # output and grad are the body's reads with the common case written out: the request, and
-    # leaving the stop the body was at, inline (each call layer costs about a microsecond
-    # here, and these run once per value). Anything else, errors included, goes through the
-    # property, which does the same in general.
+    # leaving the stop the body was at, inline (a call layer costs far more than its
+    # bytecodes suggest, and these run once per value). Anything else, errors included, goes
+    # through the property, which does the same in general.
     def output(self, envoy):
         """``envoy.output`` in the body: a plain envoy whose point is kept between traces."""
         if envoy.__class__ is not Envoy:

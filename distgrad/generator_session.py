@@ -103,8 +103,9 @@ class GeneratorSession(Session):
             hooks.pop(self.want_hid, None)
 
     # _hand_value and _grad_ready resume the body (``driver.send``) and return what it put at
-    # its stop. Each is written out in full: together they run twice per read+edit, and each
-    # call layer costs about a microsecond here. _hand, the rare general case, reuses them.
+    # its stop. Each is written out in full: together they run twice per read+edit, and a
+    # call layer costs far more than its bytecodes suggest. _hand, the rare general case,
+    # reuses them.
     def _hand(self, key, value):
         """A point's hand-off: a module value (the forward's points), or a GradPoint's gradient
         (a backward's, for the requests driver.grad does not take, e.g. ``t.grad = g`` before

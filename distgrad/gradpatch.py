@@ -10,10 +10,10 @@ optimizer, FSDP's post-backward, DeepSpeed's ZeRO hooks, a ``register_post_accum
 first), so it sees exactly what it would without distgrad.
 
 Why once at import and not per trace: changing a class attribute of ``torch.Tensor`` resets
-CPython's specialised bytecode for every tensor method call site, which cost ~80 us on the next
-forward of a tiny GPT-2 (measured: ``benchmarks/overhead.py`` history in docs/performance.rst);
-the property itself costs ~0.1 us per ``.grad`` access. A trace installs it again only if
-another library has put its own ``grad`` over it since (``patches.keep_on_top``).
+CPython's specialised bytecode for every tensor method call site, which slowed the next
+forward measurably, while the property itself adds little to a ``.grad`` access. A trace
+installs it again only if another library has put its own ``grad`` over it since
+(``patches.keep_on_top``).
 """
 from __future__ import annotations
 

@@ -4,16 +4,16 @@ The body asks for a value; the run goes on until the hook that produces it fires
 the value over and waits; the body reads or replaces it and, when it asks for the next value,
 hands the reply back to the hook. Two ways to switch, one protocol:
 
-* ``GreenletRun`` runs ``fn`` in a greenlet on the body's own thread. A switch costs about a
-  microsecond and the run sees the body's thread-local state (grad mode, CUDA device and stream).
+* ``GreenletRun`` runs ``fn`` in a greenlet on the body's own thread. A switch is cheap and
+  the run sees the body's thread-local state (grad mode, CUDA device and stream).
   Forward hooks, and backward hooks of a graph on the CPU, fire on the calling thread, so this
   serves every forward and every CPU backward.
 * ``ThreadRun`` runs ``fn`` in a worker thread and accepts hand-offs from any thread. On CUDA the
   autograd engine calls tensor hooks on its per-device threads while the thread that called
   ``backward()`` sits blocked in C++, so such a backward cannot share the body's thread. A
-  hand-off costs a lock round trip (~11-20 us on this CPU; see docs/performance.md). The worker
+  hand-off costs a lock round trip, dearer than a switch (see docs/performance.md). The worker
   threads are kept and reused: PyTorch sets up per-thread state the first time a thread runs a
-  backward, which made a fresh thread per backward block cost ~8 ms here.
+  backward, which made a fresh thread per backward block cost more than the backward itself.
 
 Events returned to the driver by ``resume``: a pause is the pair ``(key, value)`` (a plain tuple:
 checking ``event.__class__ is tuple`` is the cheapest test on the hot path); the end is an
@@ -61,7 +61,7 @@ def _outcome(fn) -> Outcome:
 
 
 # A new greenlet allocates a fresh interpreter data stack the first time it runs Python, which
-# made a tiny forward 40 us slower than the same forward run directly. So each thread keeps
+# made a tiny forward measurably slower than the same forward run directly. So each thread keeps
 # idle runner greenlets and reuses them: one is created per thread, more for nested runs and for
 # bodies run in turns (BodyRunners).
 _idle = threading.local()
@@ -93,10 +93,10 @@ def _give_back(glet) -> None:
 
 class BodyRunners:
     """Greenlets for bodies that a scheduler runs in turns (invokes, a pipeline's microbatches),
-    taken from the same per-thread pool as the runs: a new greenlet cost about 10 us the first
-    time it ran Python, four times per pipeline step. ``bodies`` maps each Body to the function
-    that runs it; each greenlet is entered in ``registry`` (``session.BODIES``) while it runs
-    its body, so that the body can be found."""
+    taken from the same per-thread pool as the runs: a new greenlet pays for a fresh data
+    stack the first time it runs Python, and a pipeline step starts several bodies. ``bodies``
+    maps each Body to the function that runs it; each greenlet is entered in ``registry``
+    (``session.BODIES``) while it runs its body, so that the body can be found."""
 
     def __init__(self, bodies: dict, registry: dict):
         self.todo = {}  # id(body) -> [greenlet, function to start it with, or None once started]

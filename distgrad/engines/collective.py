@@ -187,7 +187,7 @@ class Exchange:
         return [(tensors[i], v) for i, v in zip(plan.wanted, values)]
 
     def _start(self, gathered: torch.Tensor, send: torch.Tensor):
-        if hasattr(self.group, "_allgather_base"):  # skips ~10 us of Python checks
+        if hasattr(self.group, "_allgather_base"):  # skips all_gather's Python checks
             return self.group._allgather_base(gathered, send)
         return _all_gather(gathered, send, self.group, async_op=True)
 

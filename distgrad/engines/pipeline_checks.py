@@ -7,7 +7,7 @@ breaks that: a send nobody receives, or a receive nobody sends, would wait forev
 every rank sends every other, once its bodies are done, the tags of the values it owes
 and is owed by each rank; when the step ends each compares the whole table, and all
 raise alike if two ranks differ. (Sent while the step runs on, that costs a rank whose
-bodies end early nothing at the end; an all_gather at the end cost about 1 ms.) A rank
+bodies end early nothing at the end, where an all_gather would make it wait for the last.) A rank
 that waits in vain for a batch of a peer that has finished its step finds out from the
 peer's list of sends, which a rank whose end-of-step check takes long writes to the job's
 store. A rank that waits in vain during the step (a batch off the schedule's messages:

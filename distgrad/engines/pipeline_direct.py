@@ -3,9 +3,8 @@ waits for wakes that body in place (a mixin of ``PipelineRun``, ``pipeline_run.p
 
 The scheduler loop of ``PipelineRun._schedule`` runs the step in a greenlet of its own and
 pauses it at every value a body waits for, so each pause crossed the scheduler twice: four
-greenlet switches and a turn of the loop. Here the step runs where the trace is (about 200
-bytecodes fewer a value on the owning rank, ``docs/performance.md``, pipeline, twelfth
-session), and:
+greenlet switches and a turn of the loop. Here the step runs where the trace is (fewer
+bytecodes a value, as ``benchmarks/diagnostics/pp_bytecodes_ranks.py`` counts), and:
 
 * a hook that fires with a wanted value (``Session.hand``, replaced by ``_hand_direct``) gives
   it to the body that waits, switches into the body until it asks for its next value, and

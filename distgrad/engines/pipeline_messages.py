@@ -150,10 +150,10 @@ class Messages(RequestChecks):
             return ops
         data = _pack(entries)
         op = ops[at]
-        # The schedule's bytes, then the batch's first _CAP, put together in Python: the torch
-        # calls that did it (a flat byte view of the activation, an empty tensor, two slices
-        # and two copies) cost about 200 us a chunk in the middle of a step here, against one
-        # tensor made over the joined bytes now (pp_segments.py).
+        # The schedule's bytes, then the batch's first _CAP, put together in Python: six torch
+        # calls (a flat byte view of the activation, an empty tensor, two slices and two
+        # copies) are dear in the middle of a step, and one tensor made over the joined bytes
+        # is not (benchmarks/diagnostics/pp_segments.py times the packing).
         both = bytearray(_bytes_of(op.tensor))
         both += memoryview(data)[:_CAP]
         op.tensor = _uint8(both)  # (the op is the schedule's own, made for this one message)
@@ -300,10 +300,10 @@ def _entry(value: torch.Tensor, tag: int) -> tuple:
 
 def _bytes_of(value: torch.Tensor) -> bytes:
     """``value``'s bytes in C order, copied to the host."""
-    # Each torch call that makes a tensor or an array costs 10-20 us in the middle of a step
-    # here (the forward has just evicted the caches) against 2 us in a loop. A contiguous host
-    # tensor's bytes are read where they lie, with calls that make nothing (20 us less per
-    # value, timed in a hook of the benchmark's step); a strided one numpy lays out in C order.
+    # Each torch call that makes a tensor or an array costs several times more in the middle
+    # of a step (the forward has just evicted the caches) than in a loop. So a contiguous host
+    # tensor's bytes are read where they lie, with calls that make nothing; a strided one numpy
+    # lays out in C order.
     try:
         if value.is_cpu and value.is_contiguous() and not value.is_conj() and not value.is_neg():
             nbytes = value.nbytes

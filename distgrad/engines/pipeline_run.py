@@ -238,7 +238,7 @@ class PipelineRun(BodyRequests, DirectSteps):
 class _Chunk:
     """``with _Chunk(run, phase, stage, microbatch):`` around one chunk of the schedule (what
     the engines' ``instrument`` calls ``on_chunk``). A class, not ``contextlib.contextmanager``:
-    its generator machinery ran about 45 more bytecodes a chunk (8 chunks a step per stage)."""
+    its generator machinery runs more bytecodes, at every chunk of every step."""
 
     __slots__ = ("run", "phase", "stage", "microbatch")
 

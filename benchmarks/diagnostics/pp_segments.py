@@ -1,7 +1,8 @@
 """Where a pipeline step's time goes on each rank: CPU time per segment, raw hooks against
 distgrad, on ``pp_overhead.py``'s set-up.
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/pp_segments.py [--steps 110]
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/diagnostics/pp_segments.py \
+        [--steps 110]
 
 End to end, a 2-stage step moves by more from one minute to the next than most changes to
 distgrad's path (``docs/performance.md``). Each stage's part of that path is steadier: this
@@ -20,10 +21,13 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.pipelining.schedules as schedules
 from torch.distributed.pipelining.stage import _PipelineStageBase
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks this one builds on
 
 from distgrad.engines import pipeline_checks, pipeline_direct, pipeline_messages
 from pp_overhead import setup

@@ -1,7 +1,7 @@
 """The pipeline machinery alone: a 1F1B step on ONE process (one stage holding the whole
 model), traced against raw hooks, so that no other rank's waits or messages blur the number.
 
-    python benchmarks/pp_one_process.py [--width 256] [--rounds 40]
+    python benchmarks/diagnostics/pp_one_process.py [--width 256] [--rounds 40]
 
 The model, schedule (4 microbatches of 8 rows) and body are those of ``pp_overhead.py``: save
 ``layers[1]``'s output and its gradient and double the gradient, and the body that reads
@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks this one builds on
 
 from pp_steps import one_process_steps
 

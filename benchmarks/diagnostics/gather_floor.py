@@ -1,15 +1,16 @@
 """What any end-of-trace gather pays per saved tensor before it sends a byte (one process).
 
-    python benchmarks/gather_floor.py [--sizes 1 4 16 64]
+    python benchmarks/diagnostics/gather_floor.py [--sizes 1 4 16 64]
 
-issue 3 asks the gather of S saved tensors to cost at most 1.2x one raw all_gather of the same
-bytes, flat in S. Whatever the exchange does, on rank 0 each of the S saved tensors the user
-holds must (1) be read for its dtype and shape, to know the ranks saved the same things,
-(2) get a new tensor object for its global value (a view of one gathered block), and (3) be
-rebound to it (``tensor.data = value``), because ``.save()`` returned the user's own tensor.
-This times exactly those three steps, with tensors of ddp_overhead.py's shape ([2, 8, 64]
-float32 per rank, 2 ranks), and prints them next to the budget the 1.2x target leaves at
-each S (0.2 x the raw all_gather time, which ddp_overhead.py measures on 2 ranks).
+The goal in docs/performance.md: the gather of S saved tensors costs at most 1.2x one raw
+all_gather of the same bytes, flat in S. Whatever the exchange does, on rank 0 each of the S
+saved tensors the user holds must (1) be read for its dtype and shape, to know the ranks
+saved the same things, (2) get a new tensor object for its global value (a view of one
+gathered block), and (3) be rebound to it (``tensor.data = value``), because ``.save()``
+returned the user's own tensor. This times exactly those three steps, with tensors of
+ddp_overhead.py's shape ([2, 8, 64] float32 per rank, 2 ranks), and prints them next to the
+budget the 1.2x target leaves at each S (0.2 x the raw all_gather time, which ddp_overhead.py
+measures on 2 ranks).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ block, from Python (``unbind`` + ``tensor.data =``, what ``engines/collective.py
 a C++ extension built here with ``torch.utils.cpp_extension.load_inline`` (``unbind`` below
 autograd's view tracking + ``set_data``; needs a C++ compiler, builds in about 30 s).
 
-    python benchmarks/gather_floor_native.py
+    python benchmarks/diagnostics/gather_floor_native.py
 
 Tensors of ddp_overhead.py's shape ([2, 8, 64] float32 per rank, 2 ranks), grad mode off, median
 of 2000 calls each. See docs/performance.md (the DDP section) for what the numbers mean.

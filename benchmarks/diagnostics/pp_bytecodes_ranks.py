@@ -2,7 +2,8 @@
 on ``pp_overhead.py``'s set-up (2 stages, Schedule1F1B, 4 microbatches), where the values really
 travel: stage 0 packs and sends them, stage 1 receives and unpacks them.
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/pp_bytecodes_ranks.py [--top 25]
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 \
+        benchmarks/diagnostics/pp_bytecodes_ranks.py [--top 25]
 
 Rank 0 prints both ranks' totals and, per rank, the functions that make the differences. A
 count includes waits that poll (how often depends on timing), so it moves by a few hundred
@@ -12,10 +13,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks this one builds on
 
 import distgrad
 import distgrad.run

@@ -2,7 +2,7 @@
 reads nothing, and the full body of ``pp_overhead.py``, with the functions that make the
 differences.
 
-    .venv/bin/python benchmarks/pp_bytecodes.py [--top 30]
+    .venv/bin/python benchmarks/diagnostics/pp_bytecodes.py [--top 30]
 
 The set-up is ``pp_one_process.py``'s (one stage holding the whole 4-block model, Schedule1F1B,
 4 microbatches). Like ``bytecodes.py`` for the core, a count does not drift the way a timing
@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
+from pathlib import Path
 
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks this one builds on
 
 import distgrad.run
 from bytecodes import count

@@ -84,7 +84,7 @@ class Trace:
         if self._glet in BODIES:
             raise TraceStateError("a trace is already open in this body; traces do not nest. "
                                   "Close the first `with model.trace(...)` block before opening another.")
-        if getattr(self.engine, "captures_body", False):
+        if self.engine.captures_body:
             # before anything is registered: if the body cannot be captured, __exit__ never
             # runs, and nothing may be left to make the next trace think this one is open
             frame = sys._getframe(1)

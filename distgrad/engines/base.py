@@ -1,6 +1,6 @@
 """The one interface between the tracing core and a parallel engine.
 
-The core (trace, sessions, backward blocks) calls only these methods; each engine (DDP, FSDP,
+The core (trace, sessions, backward blocks) uses only these attributes and methods; each engine (DDP, FSDP,
 DeepSpeed, accelerate, tensor and pipeline parallel) is one file that implements them. The
 single-process engine is ``local.py``.
 """
@@ -27,6 +27,10 @@ class Engine:
     # Whether a trace body may run as a generator resumed by the run's hooks (the core's fast
     # path, generator_run.py): only where the forward and backward are plain calls on one thread.
     generator_bodies = False
+    # Whether the engine runs the trace body itself, once per piece of the step (pipeline
+    # parallelism: once per microbatch). The core then captures the body's code when the trace
+    # opens, skips it where the user wrote it, and hands it to ``run_captured``.
+    captures_body = False
 
     def __init__(self, wrapped: Any):
         self.wrapped = wrapped
@@ -73,6 +77,12 @@ class Engine:
         values global (one process: nothing to do). With ``error``: tell the other ranks. Returns
         an exception to raise instead of ``error``, or None."""
         return None
+
+    def run_captured(self, trace, code, names: tuple, frame) -> None:
+        """Run the captured trace body (``code``, compiled from the user's block; ``names``: the
+        locals it binds; ``frame``: the user's frame, to give those names back). Called when the
+        block ends, by engines with ``captures_body`` only."""
+        raise NotImplementedError(f"{type(self).__name__} does not capture trace bodies")
 
     @property
     def rank(self) -> int:

@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 from . import engines, patches
-from .backward import BackwardTracer, config
+from .backward import BackwardTracer
+from .config import config
 from .errors import NotSavedError, OutOfOrderError, RankFailedError, TraceStateError
 from .saving import save
 from .trace import Model, Trace

@@ -12,7 +12,7 @@ import greenlet
 import torch
 
 from . import batching, capture, engines, generator_body, patches, wrappers
-from .backward import config
+from .config import config
 from .envoy import Envoy
 from .errors import OutOfOrderError, TraceStateError, drop_context, forget_frames
 from .session import _UNSET, BODIES, Body, Session, current_body

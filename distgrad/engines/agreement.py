@@ -36,6 +36,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ..config import config
 from ..errors import TraceStateError
 
 
@@ -151,7 +152,6 @@ class Agreement:
     def _give_up(self, error: Exception):
         """Raise ``error``, once the peers' watchers have read it: they hear of it only when
         this process ends (their collective breaks then), and this one may hold the store."""
-        from ..backward import config
         engine = self.engine
         key = engine._key_now()
         if engine._tell(key, error):

@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..config import config
 from ..errors import RankFailedError
 from ..saving import LabelledSaves
 from ..session import current_body
@@ -119,7 +120,6 @@ class DistributedEngine(Engine):
         seconds, reading the failure key after each slice, then calling ``after_slice``. (A
         timed wait on a collective closes nothing; on a gloo receive it would close the whole
         group: see ``pipeline_messages.py``.)"""
-        from ..backward import config
         while True:
             try:
                 if work.wait(timedelta(seconds=config.failure_timeout)):
@@ -184,7 +184,6 @@ class DistributedEngine(Engine):
             return False
 
     def _peer_failure(self, error: BaseException) -> RankFailedError:
-        from ..backward import config
         key = self._key()
         deadline = time.monotonic() + config.failure_timeout
         found = self._watch.seen.get(key)

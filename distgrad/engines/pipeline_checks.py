@@ -23,6 +23,7 @@ import zlib
 
 import torch
 
+from ..config import config
 from ..errors import TraceStateError
 from .agreement import ask
 from .helper_waits import wait_on_a_helper
@@ -118,7 +119,6 @@ class RequestChecks:
         abort the process at exit ("terminate called without an active exception")."""
         first = theirs.numpy()
         if first[0] == -1:
-            from ..backward import config
             pause, slice_ends = 0.00005, time.monotonic() + config.failure_timeout
             while first[0] == -1:
                 time.sleep(pause)
@@ -137,7 +137,6 @@ class RequestChecks:
         if int(buf[:8].view(torch.int64)) != -1:  # it is arriving: nothing can stop it now
             work.wait()
             return
-        from ..backward import config
         done, failed = wait_on_a_helper(work)
         asked = False
         while not done.wait(config.failure_timeout):

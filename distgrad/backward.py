@@ -1,7 +1,7 @@
 """The backward block: ``with loss.backward(...):`` and ``distgrad.BackwardTracer``.
 
-``install()`` wraps ``torch.Tensor.backward`` so that a call written as the subject of a ``with``
-statement returns a ``BackwardTracer`` instead of running at once; any other call runs the real
+``patches.install()`` wraps ``torch.Tensor.backward`` so that a call written as the subject of
+a ``with`` statement returns a ``BackwardTracer`` instead of running at once; any other call runs the real
 backward unchanged, inside a trace or not. If another library replaced ``Tensor.backward``
 before (nnsight does, for its own ``with loss.backward():``), every call outside a distgrad body
 is that library's. Inside the block the real backward runs as a coroutine
@@ -138,21 +138,6 @@ class BackwardTracer:
         with self:
             exec(code, frame.f_globals if globals is None else globals,
                  frame.f_locals if locals is None else locals)
-
-    @staticmethod
-    def install():
-        """Make ``with t.backward(...):`` open a BackwardTracer, over whatever ``backward``
-        ``torch.Tensor`` has now (see ``BackwardAttribute``). Does nothing while it is still
-        there; returns it."""
-        global _installed
-        current = torch.Tensor.__dict__.get("backward")
-        if current is None or current is not _installed:
-            _installed = BackwardAttribute(current)
-            torch.Tensor.backward = _installed
-        return _installed
-
-
-_installed = None  # the BackwardAttribute of the latest install
 
 
 class BackwardAttribute:

@@ -1,6 +1,6 @@
 """``.grad`` inside a body: the one class attribute distgrad adds, and why nobody else notices.
 
-``install()`` (run at import) puts a property named ``grad`` on ``torch.Tensor`` that first asks
+``patches.install()`` (run at import) puts a property named ``grad`` on ``torch.Tensor`` that first asks
 "is the caller a with-block body?" (its greenlet is in ``BODIES``; with no trace open that is one
 empty-dict check). Only then, and only for a tensor of the graph that is not an ``nn.Parameter``
 and does not ``retain_grad()``, is the read or write served by distgrad. Every other caller - an
@@ -94,19 +94,7 @@ def make_property(previous) -> BodyGrad:
     return BodyGrad(get_grad, set_grad, delete_previous, _PLAIN.__doc__)
 
 
-_installed = None  # the property of the latest install
+def make_grad(previous):
+    """The body-aware ``grad`` property over ``previous`` (PyTorch's, when the class has none)."""
+    return make_property(_PLAIN if previous is None else previous)
 
-
-def install():
-    """Put the body-aware ``grad`` property on ``torch.Tensor``, over whatever is there now.
-    Does nothing while it is still there; returns it."""
-    global _installed
-    current = torch.Tensor.__dict__.get("grad")
-    if current is None or current is not _installed:
-        _installed = make_property(_PLAIN if current is None else current)
-        torch.Tensor.grad = _installed
-    return _installed
-
-
-def is_installed() -> bool:
-    return _installed is not None and torch.Tensor.__dict__.get("grad") is _installed

@@ -18,21 +18,33 @@ from __future__ import annotations
 import torch
 
 from . import gradpatch, saving
-from .backward import BackwardTracer
+from .backward import BackwardAttribute
 
-_ours = (None, None, None)  # distgrad's backward, save and grad, as last installed
+# Each attribute and how distgrad's is made over the one the class had (None: none).
+_MAKERS = {"backward": BackwardAttribute, "save": saving.make_tensor_save,
+           "grad": gradpatch.make_grad}
+_ours = dict.fromkeys(_MAKERS)  # distgrad's attributes, as last installed
 
 
 def install() -> None:
-    """Put distgrad's three attributes on ``torch.Tensor``, each over what is there now."""
-    global _ours
-    _ours = (BackwardTracer.install(), saving.install(), gradpatch.install())
+    """Put distgrad's three attributes on ``torch.Tensor``, each over what is there now (left
+    alone while it is still distgrad's own)."""
+    attrs = torch.Tensor.__dict__
+    for name, make in _MAKERS.items():
+        current = attrs.get(name)
+        if current is None or current is not _ours[name]:
+            _ours[name] = make(current)
+            setattr(torch.Tensor, name, _ours[name])
+
+
+def installed(name: str) -> bool:
+    """Whether ``torch.Tensor.<name>`` is distgrad's, as installed last."""
+    return _ours[name] is not None and torch.Tensor.__dict__.get(name) is _ours[name]
 
 
 def keep_on_top() -> None:
     """Install again any of distgrad's three attributes that another library has replaced."""
     attrs = torch.Tensor.__dict__
-    backward, save, grad = _ours
-    if (attrs.get("backward") is not backward or attrs.get("save") is not save
-            or attrs.get("grad") is not grad):
+    if (attrs.get("backward") is not _ours["backward"] or attrs.get("save") is not _ours["save"]
+            or attrs.get("grad") is not _ours["grad"]):
         install()

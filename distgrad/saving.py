@@ -86,20 +86,6 @@ def bound(attribute, tensor):
     return attribute if get is None else get(attribute, tensor, type(tensor))
 
 
-_installed = None  # the Tensor.save of the latest install
-
-
-def install():
-    """Put distgrad's ``Tensor.save`` on ``torch.Tensor``, over whatever is there now (see
-    ``make_tensor_save``). Does nothing while it is still there; returns it."""
-    global _installed
-    current = torch.Tensor.__dict__.get("save")
-    if current is None or current is not _installed:
-        _installed = make_tensor_save(current)
-        torch.Tensor.save = _installed
-    return _installed
-
-
 class LabelledSaves(list):
     """A body's list of saves that also names each saved gradient, for a multi-process engine
     that checks the ranks saved the same values (``engines/collective.py``).

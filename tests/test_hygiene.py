@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import distgrad
-from distgrad import gradpatch
+from distgrad import patches
 from distgrad.session import BODIES
 from conftest import ATOL, PARAM_ATOL, TEXT, assert_param_grads, hook_count, reference
 
 
 def _clean(net):
     assert hook_count(net) == 0
-    assert gradpatch.is_installed()  # the one class attribute, added at import
+    assert patches.installed("grad")  # the one class attribute, added at import
     assert not BODIES
 
 

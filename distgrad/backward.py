@@ -3,11 +3,10 @@
 ``patches.install()`` wraps ``torch.Tensor.backward`` so that a call written as the subject of
 a ``with`` statement returns a ``BackwardTracer`` instead of running at once; any other call
 runs the real backward unchanged, inside a trace or not. If another library replaced
-``Tensor.backward``
-before (nnsight does, for its own ``with loss.backward():``), every call outside a distgrad body
-is that library's. Inside the block the real backward runs as a coroutine
-of the body (``run.py``): ``t.grad`` stops it where the gradient of ``t`` is computed, and what the
-body puts there flows on upstream.
+``Tensor.backward`` before (nnsight does, for its own ``with loss.backward():``), every call
+outside a distgrad body is that library's. Inside the block the real backward runs as a
+coroutine of the body (``run.py``): ``t.grad`` stops it where the gradient of ``t`` is
+computed, and what the body puts there flows on upstream.
 """
 from __future__ import annotations
 

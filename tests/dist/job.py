@@ -341,8 +341,20 @@ def case_killed(model, wrapped, rank, world):
     expect_error(run, distgrad.RankFailedError, "stopped answering", heard=False)
 
 
+def case_fails_on_rank1(model, wrapped, rank, world):
+    """The harness's own check (tests/test_distributed.py names it; no engine test runs it):
+    rank 1 fails an assertion while the others go on into a trace whose backward waits for
+    rank 1 in DDP's all-reduce. The job must end in seconds, showing rank 1's assertion."""
+    assert rank != 1, "deliberate failure on rank 1"
+    ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
+    with model.trace(ids):
+        with model.output.logits.sum().backward():
+            pass
+
+
 CASES = {"all": [case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
                  case_rank_dependent_save, case_different_values_saved, case_failure],
+         "fails_on_rank1": [case_fails_on_rank1, case_saves],
          "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad]}
 
 

@@ -67,6 +67,8 @@ RUNNING = "running: the rank never finished this case"
 # that has not finished by then is taken to be waiting for this one in a collective.
 PEER_WAIT = 10.0
 ENDED = "job ended"
+RESUME = "resume at"
+RESTART = 3  # the exit code that asks the launcher to start the ranks again (launch.py)
 
 
 def _peer_results(out: str, rank: int, world: int) -> dict[int, dict]:
@@ -93,7 +95,7 @@ def _unfinished_peers(out: str, rank: int, world: int, name: str) -> list[int]:
         time.sleep(0.1)
 
 
-def run_cases(cases, out: str, rank: int, *args, rebuild=None) -> dict:
+def run_cases(cases, out: str, rank: int, *args) -> dict:
     """Run ``case(*args)`` for each case; ``out/rank{rank}.json`` says "ok" or the traceback,
     rewritten before and after every case (a rank that dies or hangs leaves what it had, and
     RUNNING marks the case it was in). Destroys the group; an error doing so is recorded as
@@ -105,12 +107,23 @@ def run_cases(cases, out: str, rank: int, *args, rebuild=None) -> dict:
     (exit code 1): its connections close, the waiting ranks' collectives fail, and they see
     ``ENDED`` in this rank's file after their case and end too. Cases not run say why.
 
-    ``rebuild()``, where given, returns fresh ``args`` (process group, mesh, model): it is
-    called before a case when an earlier case's failure has destroyed the process group, so
-    that each case shows its own failure rather than the group's absence."""
+    A failure inside a trace destroys the process group (distgrad's failure protocol), and a
+    peer waiting in a collective with the failing rank is released only when that rank's
+    process ends. So where the group is gone and cases remain, every rank records where to
+    resume (``RESUME``) and exits with ``RESTART``; the launcher starts the ranks again, and
+    run_cases goes on from there on a fresh group: each case shows its own failure, not the
+    absence of the group."""
     faulthandler.register(signal.SIGTERM, chain=True)  # a stopped rank says where it was
     world = int(os.environ.get("WORLD_SIZE", "1"))
     results = {}
+    try:  # a restarted job: what the ranks did before
+        with open(os.path.join(out, f"rank{rank}.json")) as f:
+            results = json.load(f)
+    except (OSError, ValueError):
+        pass
+    resume = results.pop(RESUME, None)
+    if resume is not None:
+        cases = cases[[case.__name__ for case in cases].index(resume):]
 
     def write():
         path = os.path.join(out, f"rank{rank}.json")
@@ -133,8 +146,6 @@ def run_cases(cases, out: str, rank: int, *args, rebuild=None) -> dict:
         results[name] = RUNNING
         write()
         try:
-            if rebuild is not None and i > 0 and not dist.is_initialized():
-                args = rebuild()
             case(*args)
             results[name] = "ok"
         except Exception:
@@ -146,7 +157,14 @@ def run_cases(cases, out: str, rank: int, *args, rebuild=None) -> dict:
         if ended:
             peer, why = next(iter(ended.items()))
             end_job(f"rank {peer} ended the job ({why})", cases[i + 1:])
-        if results[name] != "ok":
+        if not dist.is_initialized():  # peers may wait for this process to end: no waiting
+            if i + 1 < len(cases):
+                results[RESUME] = cases[i + 1].__name__
+                write()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(RESTART)  # ends this rank's connections: a peer waiting in one fails
+        elif results[name] != "ok":
             missing = _unfinished_peers(out, rank, world, name)
             if missing:
                 end_job(f"{name} failed on rank {rank} while rank(s) {missing} had not finished "

@@ -40,10 +40,29 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
+RESTART = 3  # a rank's exit code asking for a fresh start from where it stopped (cases.py)
+
+
 def run_ranks(argv: list[str], world: int, timeout: float = 300,
               grace: float = 30) -> list[subprocess.CompletedProcess]:
     """Run ``argv`` on ``world`` ranks; each rank's output (stdout and stderr) comes back in its
-    CompletedProcess, with a line from the launcher appended where it stopped the rank."""
+    CompletedProcess, with a line from the launcher appended where it stopped the rank. Where
+    every rank exits with RESTART (a case destroyed the process group and cases remain), the
+    ranks are started again, on a new port; their outputs are joined."""
+    start = time.monotonic()
+    earlier = [""] * world
+    while True:
+        left = max(timeout - (time.monotonic() - start), 1.0)
+        done = _run_once(argv, world, left, grace)
+        if any(p.returncode != RESTART for p in done):
+            break
+        earlier = [e + p.stdout + "\n[launcher] restarted the ranks\n" for e, p in zip(earlier, done)]
+    return [subprocess.CompletedProcess(p.args, p.returncode, e + p.stdout)
+            for e, p in zip(earlier, done)]
+
+
+def _run_once(argv: list[str], world: int, timeout: float,
+              grace: float) -> list[subprocess.CompletedProcess]:
     port = free_port()
     with tempfile.TemporaryDirectory() as logs:
         procs, paths = [], []
@@ -56,7 +75,7 @@ def run_ranks(argv: list[str], world: int, timeout: float = 300,
                 procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=log,
                                               stderr=subprocess.STDOUT, text=True))
         start = time.monotonic()
-        why, first_error = "", None
+        why, first_error, stopped = "", None, [False] * world
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
             if first_error is None:
@@ -77,7 +96,7 @@ def run_ranks(argv: list[str], world: int, timeout: float = 300,
         for rank, (p, path) in enumerate(zip(procs, paths)):
             with open(path, errors="replace") as log:
                 out = log.read()
-            if why and stopped[rank]:
+            if stopped[rank]:
                 out += f"\n[launcher] stopped rank {rank}: {why}\n"
             done.append(subprocess.CompletedProcess(p.args, p.returncode, out))
     return done

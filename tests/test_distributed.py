@@ -4,30 +4,37 @@ Each engine runs every case in one job and one process group (start-up is the ex
 tests/dist/job.py; this file starts the job once per engine and reports each case. The oracle
 is one process with plain autograd on the global batch, computed inside the job.
 """
-import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from launch import ENGINES, run_ranks  # noqa: E402
+from launch import ENGINES, case_report, read_results, run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "job.py")
 CASES = ["case_read_edit", "case_saves", "case_steady_saves", "case_uneven", "case_watch_only_in_traces",
          "case_param_write",
-         "case_rank_dependent_save", "case_different_values_saved", "case_failure"]
+         "case_rank_dependent_save", "case_different_values_saved", "case_no_cycles", "case_failure"]
 WORLD = 2
 
 
 def _job(engine, cases, tmp_path_factory, world=WORLD):
     out = tmp_path_factory.mktemp(f"{engine}-{cases}")
     procs = run_ranks([JOB, "--engine", engine, "--cases", cases, "--out", str(out)], world)
-    results = []
-    for rank, proc in enumerate(procs):
-        path = out / f"rank{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {})
-    return procs, results
+    return procs, read_results(out, world)
+
+
+def check_case(engine, procs, results, case):
+    """``case`` said "ok" on every rank, and the job ended cleanly - unless a failing case
+    ended it early ("job ended"): then that case's own test shows the failure."""
+    report = case_report(procs, results, case)
+    assert not report, f"{engine} {case}:\n{report}"
+    if not any("job ended" in result for result in results):
+        for rank, (proc, result) in enumerate(zip(procs, results)):
+            assert proc.returncode == 0, f"{engine} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+            assert "teardown" not in result, result.get("teardown")
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -38,10 +45,25 @@ def engine_job(request, tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_engine_case_on_every_rank(engine_job, case):
     engine, (procs, results) = engine_job
-    for rank, (proc, result) in enumerate(zip(procs, results)):
-        assert proc.returncode == 0, f"{engine} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
-        assert result.get(case) == "ok", f"{engine} rank {rank} {case}:\n{result.get(case, proc.stdout[-3000:])}"
-        assert "teardown" not in result, result.get("teardown")
+    check_case(engine, procs, results, case)
+
+
+def test_failing_rank_ends_the_job_and_is_shown(tmp_path_factory):
+    """Rank 1 fails an assertion while rank 0 waits for it in DDP's all-reduce: the job ends in
+    seconds (not at the launcher's timeout), the failing case's report shows rank 1's assertion
+    and traceback, and the case after it says it did not run and why."""
+    start = time.monotonic()
+    procs, results = _job("ddp", "fails_on_rank1", tmp_path_factory)
+    took = time.monotonic() - start
+    assert took < 60, f"the job took {took:.0f} s to end"
+    with pytest.raises(AssertionError) as failed:
+        check_case("ddp", procs, results, "case_fails_on_rank1")
+    shown = str(failed.value)
+    assert "AssertionError: deliberate failure on rank 1" in shown, shown
+    assert 'job.py", line' in shown and "in case_fails_on_rank1" in shown, shown  # the traceback
+    with pytest.raises(AssertionError) as later:
+        check_case("ddp", procs, results, "case_saves")
+    assert "not run: case_fails_on_rank1 failed on rank 1" in str(later.value), later.value
 
 
 @pytest.mark.slow
@@ -72,7 +94,5 @@ def test_four_ranks(engine, tmp_path_factory):
     """Every case on 4 ranks: uneven batches of 2,1,1,1 rows, gathers of 4 parts, rank 1 failing
     while three others wait."""
     procs, results = _job(engine, "all", tmp_path_factory, world=4)
-    for rank, (proc, result) in enumerate(zip(procs, results)):
-        assert proc.returncode == 0, f"rank {rank}:\n{proc.stdout[-3000:]}"
-        for case in CASES:
-            assert result.get(case) == "ok", f"{engine} rank {rank} {case}:\n{result.get(case)}"
+    for case in CASES:
+        check_case(engine, procs, results, case)

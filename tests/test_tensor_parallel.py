@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from launch import run_ranks  # noqa: E402
+from launch import case_report, read_results, run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "tp_job.py")
-CASES = ["case_read_edit", "case_read_edit_thread", "case_collectives", "case_failure"]
+CASES = ["case_read_edit", "case_read_edit_thread", "case_collectives", "case_failure", "case_two_forms"]
 
 
 @pytest.mark.parametrize("layout, world", [("tp", 2), ("sp", 2), ("fsdp-tp", 4)])
@@ -26,7 +26,7 @@ def test_tensor_parallel_job(layout, world, tmp_path):
         assert proc.returncode == 0, f"{layout} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
         path = tmp_path / f"rank{rank}.json"
         result = json.loads(path.read_text()) if path.exists() else {}
-        for case in CASES + (["case_two_forms"] if layout == "tp" else []):
+        for case in CASES:
             assert result.get(case) == "ok", f"{layout} rank {rank} {case}:\n{result.get(case, proc.stdout[-3000:])}"
 
 
@@ -51,3 +51,17 @@ def test_killed_rank_is_reported(tmp_path):
     assert procs[0].returncode == 0, procs[0].stdout[-3000:]
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result.get("case_killed") == "ok", result
+
+
+def test_cases_after_a_failure_run_on_a_fresh_group(tmp_path):
+    """An assertion fails inside the body on rank 1: that case reports it on every rank (rank
+    0 hears of it), and the cases after it pass - they are not failed by the process group the
+    failure tore down ("Could not resolve the process group")."""
+    procs = run_ranks([JOB, "--layout", "tp", "--cases", "fails_first", "--out", str(tmp_path)], 2)
+    results = read_results(tmp_path, 2)
+    failed = case_report(procs, results, "case_fails_in_body_on_rank1")
+    assert "AssertionError: deliberate failure on rank 1" in failed.split("--- rank 1:")[1], failed
+    assert "rank 0 stopped because rank 1: AssertionError" in failed.split("--- rank 1:")[0], failed
+    for case in ["case_read_edit", "case_collectives"]:
+        assert not case_report(procs, results, case), case_report(procs, results, case)
+    assert [proc.returncode for proc in procs] == [0, 0], procs[0].stdout[-3000:]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import distgrad
 from cases import close, expect_error, expect_failure_of_rank1, run_cases  # noqa: E402  (tests/dist is the script's folder)
 from distgrad.demo_parallel import _init, wrap_with_engine
+from dp_leaks import check_no_cycles  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 torch.set_num_threads(1)
@@ -341,8 +342,32 @@ def case_killed(model, wrapped, rank, world):
     expect_error(run, distgrad.RankFailedError, "stopped answering", heard=False)
 
 
+def case_no_cycles(model, wrapped, rank, world):
+    """Traces of the README program leave no tensor in cyclic garbage (see dp_leaks.py)."""
+    ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
+
+    def plain_step():  # the engine without distgrad
+        loss = wrapped(ids).logits.sum() * SCALE
+        wrapped.backward(loss) if type(wrapped).__name__ == "DeepSpeedEngine" else loss.backward()
+        clear_grads(wrapped)
+
+    check_no_cycles(model, ids, SCALE, lambda: clear_grads(wrapped), plain_step)
+
+
+def case_fails_on_rank1(model, wrapped, rank, world):
+    """The harness's own check (tests/test_distributed.py names it; no engine test runs it):
+    rank 1 fails an assertion while the others go on into a trace whose backward waits for
+    rank 1 in DDP's all-reduce. The job must end in seconds, showing rank 1's assertion."""
+    assert rank != 1, "deliberate failure on rank 1"
+    ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
+    with model.trace(ids):
+        with model.output.logits.sum().backward():
+            pass
+
+
 CASES = {"all": [case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
-                 case_rank_dependent_save, case_different_values_saved, case_failure],
+                 case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_failure],
+         "fails_on_rank1": [case_fails_on_rank1, case_saves],
          "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad]}
 
 

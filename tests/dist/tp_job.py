@@ -244,8 +244,7 @@ def case_collectives(model, net, ctx):
 
 def case_two_forms(model, net, ctx):
     """`.local.output` then `.output` of one call: this rank's shard and the whole value are two
-    forms of one value, so the second raises. Runs last, on the plain tp layout only: the group
-    is gone after case_failure, and there nothing before layer 0's q_proj communicates."""
+    forms of one value, so the second raises."""
     kwargs = {"position_ids": torch.arange(SEQ)[None]} if ctx[4] else {}
     try:
         with model.trace(global_ids(2), **kwargs):
@@ -303,19 +302,13 @@ def case_failure(model, net, ctx):
     expect_failure_of_rank1(rank, run)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layout", required=True, choices=["tp", "sp", "fsdp-tp"])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", default="all",
-                        choices=["all", "killed", "rank_dependent", "rank_dependent_value"])
-    args = parser.parse_args()
-    distgrad.config.failure_timeout = 3.0
+def build(layout: str):
+    """The process group, the mesh, the split model and its wrap: (model, net, ctx)."""
     from torch.distributed.device_mesh import init_device_mesh
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    sequence = args.layout == "sp"
-    if args.layout == "fsdp-tp":
+    sequence = layout == "sp"
+    if layout == "fsdp-tp":
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
         net = parallelize_llama(build_llama(), mesh["tp"])
@@ -328,14 +321,37 @@ def main():
         net = parallelize_llama(build_llama(), mesh, sequence_parallel=sequence)
         dp, dp_rank, tp_rank = 1, 0, rank
     model = distgrad.wrap(net, tp_shards={"model.layers.0": 1} if sequence else None)
-    ctx = (rank, dp, dp_rank, tp_rank, sequence)
-    # the last two end with an error on a rank, which tears the process group down
-    cases = {"all": (case_read_edit, case_read_edit_thread, case_collectives, case_failure),
+    return model, net, (rank, dp, dp_rank, tp_rank, sequence)
+
+
+def case_fails_in_body_on_rank1(model, net, ctx):
+    """The harness's own check (tests/test_tensor_parallel.py names it; no layout test runs
+    it): an assertion fails inside the body on rank 1, so distgrad destroys the process group
+    on every rank. The cases after it must run on a fresh group and pass."""
+    kwargs = {"position_ids": torch.arange(SEQ)[None]} if ctx[4] else {}
+    with model.trace(global_ids(2), **kwargs):
+        model.model.layers[0].self_attn.q_proj.output.save()
+        assert ctx[0] != 1, "deliberate failure on rank 1"
+        model.output.logits.save()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layout", required=True, choices=["tp", "sp", "fsdp-tp"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default="all", choices=["all", "killed", "rank_dependent",
+                                                           "rank_dependent_value", "fails_first"])
+    args = parser.parse_args()
+    distgrad.config.failure_timeout = 3.0
+    # case_failure ends with an error on a rank, which tears the process group down: the
+    # ranks start again for the cases after it (cases.run_cases)
+    cases = {"all": (case_read_edit, case_read_edit_thread, case_collectives, case_failure,
+                     case_two_forms),
              "killed": (case_killed,), "rank_dependent": (case_rank_dependent,),
-             "rank_dependent_value": (case_rank_dependent_value,)}[args.cases]
-    if args.layout == "tp" and args.cases == "all":  # elsewhere the forward communicates first
-        cases += (case_two_forms,)
-    run_cases(cases, args.out, rank, model, net, ctx)
+             "rank_dependent_value": (case_rank_dependent_value,),
+             "fails_first": (case_fails_in_body_on_rank1, case_read_edit, case_collectives)}[args.cases]
+    model, net, ctx = build(args.layout)
+    run_cases(cases, args.out, ctx[0], model, net, ctx)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from .checkpointing import no_grad_message, read_without_grad
 from .config import config
 from .errors import TraceStateError
 from .points import GradPoint
-from .session import _UNSET, BODIES, Body, Session, current_body
+from .session import BODIES, UNSET, Body, Session, current_body
 
 
 
@@ -91,7 +91,7 @@ class BackwardTracer:
                 self.session = GeneratorSession("backward", self._run, [body], body.driver)
             else:
                 self.session = Session("backward", self._run, [body],
-                                       threaded=_threaded(self.tensor),
+                                       threaded=backward_threaded(self.tensor),
                                        views=getattr(self.backend, "views", None))
         except BaseException:
             self._leave()
@@ -197,7 +197,7 @@ def _is_torch_backward(function) -> bool:
             and code.co_filename == torch._tensor.__file__)
 
 
-def _threaded(tensor) -> bool:
+def backward_threaded(tensor) -> bool:
     mode = config.backward_mode
     if mode == "auto":
         return tensor.device.type != "cpu" or torch.cuda.is_initialized()
@@ -279,7 +279,7 @@ def grad_stop(body: Body, tensor: torch.Tensor):
     if split is not None:
         point.split = split
     passed = lambda: grad_passed(block.tensor, tensor, body, target)  # noqa: E731
-    return session.request(body, (point, point.calls), passed, _UNSET, tensor)
+    return session.request(body, (point, point.calls), passed, UNSET, tensor)
 
 
 def _no_grad_flows(body: Body, tensor) -> ValueError:

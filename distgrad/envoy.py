@@ -15,7 +15,7 @@ import torch
 
 from .errors import TraceStateError
 from .paused import PAUSE_STOP, PAUSED
-from .session import _UNSET, BODIES, current_body
+from .session import BODIES, UNSET, current_body
 from .wrappers import module_path
 
 _getcurrent = greenlet.getcurrent
@@ -174,7 +174,7 @@ class Envoy:
             self._stop("output")  # raises
         stop = body.trace.stop_at(body, self, "output")
         value = stop.replacement
-        if value is _UNSET:
+        if value is UNSET:
             value = stop.view
         if value.__class__ is _Tensor:
             body.labels[id(value)] = (value, self._path, ".output")
@@ -192,7 +192,7 @@ class Envoy:
     def inputs(self):
         """``(args, kwargs)`` of the call."""
         _, stop = self._stop("input")
-        return stop.replacement if stop.replacement is not _UNSET else stop.view
+        return stop.replacement if stop.replacement is not UNSET else stop.view
 
     @inputs.setter
     def inputs(self, value):
@@ -207,7 +207,7 @@ class Envoy:
         body, stop = self._stop("input")
         if stop is PAUSE_STOP:  # a generator body waits for the run (generator_run.py)
             return PAUSED
-        args, kwargs = stop.replacement if stop.replacement is not _UNSET else stop.view
+        args, kwargs = stop.replacement if stop.replacement is not UNSET else stop.view
         value = _first(args, kwargs, self._path)
         body.remember(value, self._path, ".input")
         return value
@@ -215,7 +215,7 @@ class Envoy:
     @input.setter
     def input(self, value):
         body, stop = self._stop("input")
-        args, kwargs = stop.replacement if stop.replacement is not _UNSET else stop.view
+        args, kwargs = stop.replacement if stop.replacement is not UNSET else stop.view
         if args:
             stop.replace(((value,) + tuple(args[1:]), dict(kwargs)), f"{self._path}.input")
         elif kwargs:

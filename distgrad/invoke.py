@@ -133,10 +133,10 @@ def _backward_session(trace, bodies: list[Body]) -> Session:
         grads = [b.args[0] if b.args else None for b in blocks]
         return torch.autograd.backward([b.tensor for b in blocks], grads, **first.kwargs)
 
-    from .backward import _threaded
+    from .backward import backward_threaded
     fill_retained_grads(trace.slices)
     session = Session("backward", run, bodies, size=trace.forward.size,
-                      threaded=_threaded(first.tensor))
+                      threaded=backward_threaded(first.tensor))
     session.slices = trace.slices
     return session
 

@@ -15,7 +15,7 @@ from . import batching, capture, engines, generator_body, patches, wrappers
 from .config import config
 from .envoy import Envoy
 from .errors import OutOfOrderError, TraceStateError, drop_context, forget_frames
-from .session import _UNSET, BODIES, Body, Session, current_body
+from .session import BODIES, UNSET, Body, Session, current_body
 
 
 class Model(Envoy):
@@ -281,7 +281,7 @@ class Trace:
                 f"{point.path}.{kind} (call {call}) was requested after the run had already "
                 f"passed it (the module has run {point.calls} time(s) since the trace first named "
                 f"it). Name repeated modules before the forward reaches them.")
-        return session.request(body, (point, call), point.passed, _UNSET, None, envoy._local)
+        return session.request(body, (point, call), point.passed, UNSET, None, envoy._local)
 
     def _new_point(self, session: Session, envoy: Envoy, kind: str):
         kept = envoy._kept  # this envoy's points from earlier traces, by kind

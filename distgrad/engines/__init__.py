@@ -56,7 +56,7 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
     if isinstance(obj, FullyShardedDataParallel):
         from .fsdp1 import FSDP1Engine
         return FSDP1Engine(obj)
-    if _is_fully_sharded(obj):
+    if is_fully_sharded(obj):
         from .fsdp2 import FSDP2Engine
         return FSDP2Engine(obj)
     if isinstance(obj, torch.nn.Module):
@@ -72,7 +72,7 @@ def _is_pipeline_schedule(obj) -> bool:
     return isinstance(obj, _PipelineSchedule)
 
 
-def _is_fully_sharded(obj) -> bool:
+def is_fully_sharded(obj) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:

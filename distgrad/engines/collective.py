@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from ..saving import saved_label
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
-_CODE = {dtype: i for i, dtype in enumerate(_DTYPES)}
+DTYPE_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 _MODES = ("rank0", "all")
 # int64s: fits (1 or 0), number of tensors, bytes needed in all, layout length (0 when the
 # layout is that of this rank's previous trace), same layout as before (1 or 0)
@@ -211,7 +211,7 @@ def _layout(meta: tuple) -> list:
     every tensor starts 8-byte aligned."""
     specs, at, offset = [], 0, 0
     while at < len(meta):
-        dtype, mode, dim, ndim = _DTYPES[meta[at]], _MODES[meta[at + 1]], meta[at + 2], meta[at + 3]
+        dtype, mode, dim, ndim = DTYPES[meta[at]], _MODES[meta[at + 1]], meta[at + 2], meta[at + 3]
         shape = tuple(meta[at + 4: at + 4 + ndim])
         at += 4 + ndim
         size, words = meta[at], _round8(meta[at]) // 8
@@ -236,7 +236,7 @@ class _Pack:
     def __init__(self, key: list):
         self.meta = []
         for dtype, shape, mode, dim, label in key:
-            self.meta += [_CODE[dtype], _MODES.index(mode), dim, len(shape), *shape,
+            self.meta += [DTYPE_CODE[dtype], _MODES.index(mode), dim, len(shape), *shape,
                           *_label_words(label)]
         self.specs = _layout(self.meta)
         self.nbytes = sum(_round8(s[5]) for s in self.specs)

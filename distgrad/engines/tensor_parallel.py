@@ -279,7 +279,7 @@ def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
     """The engine for a model ``parallelize_module`` touched: tensor parallel alone, or under
     FSDP2 / DDP on the other dimension of a 2-D mesh (saves are gathered over that one)."""
     from torch.nn.parallel import DistributedDataParallel
-    from . import _is_fully_sharded
+    from . import is_fully_sharded
     model = obj.module if isinstance(obj, DistributedDataParallel) else obj
     named = {}
     for name, dim in (shards or {}).items():
@@ -293,7 +293,7 @@ def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
     if isinstance(obj, DistributedDataParallel):
         from .ddp import DDPEngine
         engine = DDPEngine(obj)
-    elif _is_fully_sharded(obj):
+    elif is_fully_sharded(obj):
         from .fsdp2 import FSDP2Engine
         engine = FSDP2Engine(obj, group=_data_group(obj, views.mesh))
     else:

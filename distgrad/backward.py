@@ -23,6 +23,7 @@ from .config import config
 from .errors import TraceStateError
 from .points import GradPoint
 from .session import BODIES, UNSET, Body, Session, current_body
+from .torch_internals import TENSOR_MODULE_FILE
 
 
 
@@ -194,7 +195,7 @@ class BackwardAttribute:
 def _is_torch_backward(function) -> bool:
     code = getattr(function, "__code__", None)
     return (code is not None and code.co_name == "backward"
-            and code.co_filename == torch._tensor.__file__)
+            and code.co_filename == TENSOR_MODULE_FILE)
 
 
 def backward_threaded(tensor) -> bool:

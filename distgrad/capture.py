@@ -11,11 +11,11 @@ caller's frame: a saved value as itself, anything else as a placeholder whose ev
 from __future__ import annotations
 
 import ast
-import ctypes
 import linecache
 import sys
 
 from .errors import NotSavedError
+from .torch_internals import locals_to_fast
 
 
 class SkipBody(Exception):
@@ -208,7 +208,7 @@ def write_back(frame, values: dict) -> None:
         return
     local = frame.f_locals
     local.update(values)
-    ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+    locals_to_fast(frame)
 
 
 _CO_OPTIMIZED = 0x01  # a function's frame: its f_locals is a snapshot of the fast locals

@@ -16,6 +16,7 @@ import torch
 from .errors import TraceStateError
 from .paused import PAUSE_STOP, PAUSED
 from .session import BODIES, UNSET, current_body
+from .torch_internals import submodules
 from .wrappers import module_path
 
 _getcurrent = greenlet.getcurrent
@@ -52,7 +53,7 @@ class Envoy:
         if name in children:
             return children[name]
         module = self._module
-        sub = module._modules.get(name)
+        sub = submodules(module).get(name)
         if sub is not None:
             envoy = children[name] = Envoy(sub, f"{self._path}.{name}", parent=self)
             self.__dict__[name] = envoy
@@ -69,10 +70,10 @@ class Envoy:
                 self.__dict__[name] = envoy
                 return envoy
             return value
-        names = list(module._modules) + [n for n, _ in module.named_parameters(recurse=False)]
+        names = list(submodules(module)) + [n for n, _ in module.named_parameters(recurse=False)]
         near = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(f'{self._path}.{n}' for n in near)}?" if near else ""
-        listing = ", ".join(list(module._modules)[:12]) or "none"
+        listing = ", ".join(list(submodules(module))[:12]) or "none"
         raise AttributeError(f"{self._path} ({type(module).__name__}) has no submodule or "
                              f"attribute {name!r}.{hint} Its submodules: {listing}.")
 
@@ -96,7 +97,7 @@ class Envoy:
         envoy = self
         for name in names:
             holder = envoy._module
-            if name not in holder._modules:
+            if name not in submodules(holder):
                 continue
             if isinstance(holder, torch.nn.ModuleDict):
                 envoy = envoy[name]

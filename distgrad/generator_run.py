@@ -155,7 +155,8 @@ class GeneratorDriver:
             if reply is UNSET:
                 reply = stop.edited() if stop.tensor is not None else None
             self.reply = reply
-        hooks = tensor._backward_hooks  # the entry Tensor.register_hook writes (see points.py)
+        # torch_internals.add_tensor_hook written out: a call here would cost every .grad read
+        hooks = tensor._backward_hooks
         if hooks is None:
             hooks = tensor._backward_hooks = OrderedDict()
             if tensor.grad_fn is not None:

@@ -160,6 +160,7 @@ class GeneratorSession(Session):
         driver.waiting = None
         value = grad.clone()  # the body's own copy (see Stop)
         stop = self.spare
+        # torch_internals.version, inline: this runs for every gradient read
         stop.version = value._version
         stop.view = value
         body = self.body

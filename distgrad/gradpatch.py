@@ -23,8 +23,9 @@ import torch
 from .backward import grad_stop, refuse_outside_block, write_grad
 from .errors import check_replacement_grad
 from .session import BODIES, UNSET
+from .torch_internals import PLAIN_GRAD
 
-_PLAIN = torch._C.TensorBase.__dict__["grad"]
+_PLAIN = PLAIN_GRAD
 _getcurrent = greenlet.getcurrent
 
 

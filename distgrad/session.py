@@ -84,6 +84,7 @@ class Stop:
             # The body gets its own copy: autograd may pass one gradient tensor to several
             # branches, and an in-place edit must reach only the branch of this tensor.
             value = value.clone()
+            # torch_internals.version, inline: this runs for every gradient read
             self.version = value._version
         self.view = value
 
@@ -114,6 +115,7 @@ class Stop:
 
     def edited(self):
         """The body's copy of a gradient if the body edited it in place, else None."""
+        # torch_internals.version, inline: this runs for every gradient handed back
         if self.kind == "grad" and self.view._version != self.version:
             return self.view
         return None
@@ -239,6 +241,7 @@ class Session:
             value = event[1]
             if tensor is not None:  # a gradient: the body's own copy (see Stop)
                 value = value.clone()
+                # torch_internals.version, inline: this runs for every gradient read
                 stop.version = value._version
             stop.view = value
             body.stop = stop

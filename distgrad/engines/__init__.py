@@ -5,6 +5,7 @@ import torch
 
 from .base import Engine
 from .local import LocalEngine
+from ..torch_internals import pipeline_schedule_class
 from ..wrappers import compiled_inner
 
 
@@ -65,11 +66,8 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
 
 
 def _is_pipeline_schedule(obj) -> bool:
-    try:
-        from torch.distributed.pipelining.schedules import _PipelineSchedule
-    except ImportError:
-        return False
-    return isinstance(obj, _PipelineSchedule)
+    schedule_class = pipeline_schedule_class()
+    return schedule_class is not None and isinstance(obj, schedule_class)
 
 
 def is_fully_sharded(obj) -> bool:

@@ -34,6 +34,7 @@ from ..config import config
 from ..errors import RankFailedError
 from ..saving import LabelledSaves
 from ..session import current_body
+from ..torch_internals import default_store
 from . import collective
 from .agreement import Agreement, asked, where
 from .base import Engine
@@ -278,7 +279,7 @@ def _is_comm_error(error: BaseException) -> bool:
 
 
 def _store():
-    return dist.distributed_c10d._get_default_store()
+    return default_store()
 
 
 def _break_connections() -> None:

@@ -263,9 +263,9 @@ class GeneratorDriver:
         try:
             how(arg)
         except StopIteration:
-            self._ended()
+            self.mark_ended()
 
-    def _ended(self) -> None:
+    def mark_ended(self) -> None:
         self.ended = True
         self.waiting = None
         self.leave_stop(False)

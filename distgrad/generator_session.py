@@ -135,7 +135,7 @@ class GeneratorSession(Session):
         try:
             driver.send(value)
         except StopIteration:
-            driver._ended()
+            driver.mark_ended()
         except BaseException as exc:
             driver.ended = True
             driver.error = exc
@@ -169,7 +169,7 @@ class GeneratorSession(Session):
         try:
             driver.send(value)
         except StopIteration:
-            driver._ended()
+            driver.mark_ended()
         except BaseException as exc:
             driver.ended = True
             driver.error = exc

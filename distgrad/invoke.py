@@ -58,7 +58,7 @@ def run_invokes(trace) -> None:
     args, kwargs, rows = batching.join([inv.inputs for inv in invokes], trace.model._tokenizer)
     scheduler = greenlet.getcurrent()
     bodies = [Body(trace, rows=r, index=i, scheduler=scheduler) for i, r in enumerate(rows)]
-    trace.forward = trace._session(bodies, args, kwargs)
+    trace.forward = trace.open_session(bodies, args, kwargs)
     trace.forward.slices = trace.slices = {}
     trace.backward = None
     namespace = {**frame.f_globals, **frame.f_locals}

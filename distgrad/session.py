@@ -207,8 +207,8 @@ class Session:
 
     def request_solo(self, body: Body, key, passed_message, tensor=None, local=False) -> Stop:
         """``request`` for a ``solo`` session, when the body is not already at ``key``."""
-        # request + advance + _reply + Stop() for the common case, written out: this runs twice
-        # per read+edit, and each call of the general path costs a few hundred nanoseconds here.
+        # request + advance + bodies_reply + Stop() for the common case, written out: this runs
+        # twice per read+edit, and each call of the general path costs a few hundred nanoseconds.
         if self.finished:
             raise passed_error(passed_message)
         stop = body.stop
@@ -253,7 +253,7 @@ class Session:
 
     def advance(self) -> None:
         """Resume the run with the bodies' replies until it pauses at a wanted key or ends."""
-        event = self.resume(self._reply())
+        event = self.resume(self.bodies_reply())
         if event.__class__ is tuple:
             key, value = event
             self.paused_key = key
@@ -310,7 +310,7 @@ class Session:
         whole, token = self.views.show(point.kind, point.module, value, point.label)
         return whole, (None if token is None else ("value", token))
 
-    def _reply(self):
+    def bodies_reply(self):
         if self.solo:
             body = self.bodies[0]
             stop = body.stop

@@ -201,7 +201,7 @@ class Trace:
                 raise TraceStateError("in a trace with invokes, read model values inside the "
                                       "`with tracer.invoke(...):` blocks.")
             args, kwargs = batching.prepare(*self.raw_inputs, self.model._tokenizer)
-            self.forward = self._session([self.body], args, kwargs)
+            self.forward = self.open_session([self.body], args, kwargs)
         return self.forward
 
     # -- invokes (invoke.py runs them) -------------------------------------------------------
@@ -232,7 +232,7 @@ class Trace:
         from .invoke import invoke_grad
         return invoke_grad(self, body, tensor)
 
-    def _session(self, bodies, args, kwargs) -> Session:
+    def open_session(self, bodies, args, kwargs) -> Session:
         if not args and not kwargs:
             raise TraceStateError("model.trace() has no inputs: pass them to trace(...) or add "
                                   "`with tracer.invoke(...):` blocks.")

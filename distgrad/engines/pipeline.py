@@ -97,7 +97,7 @@ class PipelineEngine(DistributedEngine):
                             "may be on the meta device) so that the body can use its paths.")
         mine = sorted(stage_indices)
         super().__init__(full_model, group=dist.group.WORLD, gather=False)
-        world = self._job_world
+        world = self.job_world
         self.full = full_model
         # values received from other stages are placed where this stage's parameters live
         first = next((p for m in submods for p in m.parameters()), None)
@@ -131,7 +131,7 @@ class PipelineEngine(DistributedEngine):
         # Neighbours whose own activation messages also carry distgrad's values (carry()), per
         # stage of this rank; decided from every rank's answer, so both ends of a link agree.
         can = {r: c for r, (_, c) in enumerate(table)}
-        rank = self._job_rank
+        rank = self.job_rank
         self.carry_to, self.carry_from = {}, {}
         for s in mine:
             for other, links in ((s + 1, self.carry_to), (s - 1, self.carry_from)):

@@ -98,7 +98,7 @@ class DirectSteps:
             self.body_error = exc
             raise Abort() from None
         session.served = served
-        return session._reply()
+        return session.bodies_reply()
 
     def _event_direct(self, key) -> None:
         """At a chunk event: deliver the values due, and wake a body whose value has passed."""

@@ -70,7 +70,7 @@ class Messages(RequestChecks):
         self.swapped: list = []   # (stage record, its own buffer) while ours stands in
         # What went and came on the channel, by peer: compared across ranks when the step ends
         self.sent_to: dict = {}   # dst -> [tags of batches sent]
-        self.rank, self.world = engine._job_rank, engine._job_world
+        self.rank, self.world = engine.job_rank, engine.job_world
         self.told = False         # whether this rank's sends are in the store (see _agree)
         self.outbox: dict = {}    # key -> {dst: [(tag, copy of the value)]}
         self.sent: set = set()    # keys whose batches are going (no value may join them)

@@ -36,7 +36,7 @@ class PipelineRun(BodyRequests, DirectSteps):
         self.in_backward = None   # the stage of this rank whose backward chunk is running
         self.mine = engine.my_stages
         self.others = [(r, stages) for r, stages in engine.stages_of_rank.items()
-                       if r != engine._job_rank]
+                       if r != engine.job_rank]
         self.session = None
         self.marks: dict = {}     # event key -> the body whose local value has passed by then
         self.direct = False       # the step on this stack, bodies woken by hooks (DirectSteps)

@@ -22,7 +22,8 @@ from .checkpointing import no_grad_message, read_without_grad
 from .config import config
 from .errors import TraceStateError
 from .points import GradPoint
-from .session import _UNSET, BODIES, Body, Session, current_body
+from .session import BODIES, UNSET, Body, Session, current_body
+from .torch_internals import TENSOR_MODULE_FILE
 
 
 
@@ -91,7 +92,7 @@ class BackwardTracer:
                 self.session = GeneratorSession("backward", self._run, [body], body.driver)
             else:
                 self.session = Session("backward", self._run, [body],
-                                       threaded=_threaded(self.tensor),
+                                       threaded=backward_threaded(self.tensor),
                                        views=getattr(self.backend, "views", None))
         except BaseException:
             self._leave()
@@ -179,10 +180,10 @@ class BackwardAttribute:
 def _is_torch_backward(function) -> bool:
     code = getattr(function, "__code__", None)
     return (code is not None and code.co_name == "backward"
-            and code.co_filename == torch._tensor.__file__)
+            and code.co_filename == TENSOR_MODULE_FILE)
 
 
-def _threaded(tensor) -> bool:
+def backward_threaded(tensor) -> bool:
     mode = config.backward_mode
     if mode == "auto":
         return tensor.device.type != "cpu" or torch.cuda.is_initialized()
@@ -264,7 +265,7 @@ def grad_stop(body: Body, tensor: torch.Tensor):
     if split is not None:
         point.split = split
     passed = lambda: grad_passed(block.tensor, tensor, body, target)  # noqa: E731
-    return session.request(body, (point, point.calls), passed, _UNSET, tensor)
+    return session.request(body, (point, point.calls), passed, UNSET, tensor)
 
 
 def _no_grad_flows(body: Body, tensor) -> ValueError:

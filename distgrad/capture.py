@@ -11,11 +11,11 @@ caller's frame: a saved value as itself, anything else as a placeholder whose ev
 from __future__ import annotations
 
 import ast
-import ctypes
 import linecache
 import sys
 
 from .errors import NotSavedError
+from .torch_internals import locals_to_fast
 
 
 class SkipBody(Exception):
@@ -75,7 +75,7 @@ def capture(frame, what: tuple = INVOKE_BODY) -> tuple:
         raise SyntaxError(f"{filename}:{line}: put the {what[0]} on its own lines; distgrad "
                           f"runs it later and cannot skip a one-line body.")
     code = compile(ast.Module(body=node.body, type_ignores=[]), filename, "exec")
-    found = (code, _bound_names(node.body), _first_real_line(node.body))
+    found = (code, bound_names(node.body), first_real_line(node.body))
     _bodies[(filename, line)] = (lines, source, found)
     return found
 
@@ -101,7 +101,7 @@ def one_line_body(node) -> bool:
     return node.body[0].lineno <= max(item.context_expr.end_lineno for item in node.items)
 
 
-def _first_real_line(body) -> int | None:
+def first_real_line(body) -> int | None:
     """Line of the first statement that does something. ``pass`` and bare constants compile to
     NOPs that no exception handler covers, so the skip must fire on a later line; a body of
     only such statements needs no skipping at all."""
@@ -122,7 +122,7 @@ def _innermost_with(tree, line: int):
     return best
 
 
-def _bound_names(body) -> list[str]:
+def bound_names(body) -> list[str]:
     names: list[str] = []
 
     def visit(node):
@@ -208,7 +208,7 @@ def write_back(frame, values: dict) -> None:
         return
     local = frame.f_locals
     local.update(values)
-    ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+    locals_to_fast(frame)
 
 
 _CO_OPTIMIZED = 0x01  # a function's frame: its f_locals is a snapshot of the fast locals

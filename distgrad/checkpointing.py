@@ -30,10 +30,9 @@ from collections import OrderedDict
 import torch
 from torch.utils import checkpoint as _torch_checkpoint
 
-from torch.utils.hooks import RemovableHandle
+from .torch_internals import (closure_cells, forward_hooks, forward_pre_hooks, grad_enabled,
+                              new_hook_id, pre_hooks_with_kwargs, top_saved_tensor_hooks)
 
-top_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-grad_enabled = torch._C.is_grad_enabled
 _REENTRANT_FORWARD = _torch_checkpoint.CheckpointFunction.forward.__code__
 _FORWARD_PACK = "_checkpoint_hook.__init__.<locals>.pack_hook"
 _RECOMPUTE_PACK = "_recomputation_hook.__init__.<locals>.pack_hook"
@@ -47,7 +46,7 @@ _NO_GRAD_INSIDE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _closure(fn, name: str):
-    return fn.__closure__[fn.__code__.co_freevars.index(name)].cell_contents
+    return closure_cells(fn)[name]
 
 
 def _forward_frame(pack):
@@ -73,13 +72,6 @@ def _reentrant_forward_args():
             return frame.f_locals.get("args", ())
         frame = frame.f_back
     return None
-
-
-def _new_hook_id() -> int:
-    # The counter torch's own handles draw from, so an id never collides with a user's hook.
-    hid = RemovableHandle.next_id
-    RemovableHandle.next_id = hid + 1
-    return hid
 
 
 def hand(point, key, value):
@@ -175,15 +167,15 @@ class Replay:
         self.position = position
         self.value = _copy(reply)
         self.served: set = set()  # backward ids whose recompute got the value
-        module, hid = point.module, _new_hook_id()
+        module, hid = point.module, new_hook_id()
         if point.kind == "output":
-            hooks, fire = module._forward_hooks, self._on_output
+            hooks, fire = forward_hooks(module), self._on_output
         else:
-            hooks, fire = module._forward_pre_hooks, self._on_input
-            module._forward_pre_hooks_with_kwargs[hid] = True
+            hooks, fire = forward_pre_hooks(module), self._on_input
+            pre_hooks_with_kwargs(module)[hid] = True
         hooks[hid] = fire
         _place_after(hooks, point.hid, hid)
-        weakref.finalize(frame, _remove, hooks, module._forward_pre_hooks_with_kwargs, hid)
+        weakref.finalize(frame, _remove, hooks, pre_hooks_with_kwargs(module), hid)
 
     def _matches(self) -> bool:
         hooks = top_saved_tensor_hooks(True)

@@ -15,7 +15,8 @@ import torch
 
 from .errors import TraceStateError
 from .paused import PAUSE_STOP, PAUSED
-from .session import _UNSET, BODIES, current_body
+from .session import BODIES, UNSET, current_body
+from .torch_internals import submodules
 from .wrappers import module_path
 
 _getcurrent = greenlet.getcurrent
@@ -52,7 +53,7 @@ class Envoy:
         if name in children:
             return children[name]
         module = self._module
-        sub = module._modules.get(name)
+        sub = submodules(module).get(name)
         if sub is not None:
             envoy = children[name] = Envoy(sub, f"{self._path}.{name}", parent=self)
             self.__dict__[name] = envoy
@@ -69,10 +70,10 @@ class Envoy:
                 self.__dict__[name] = envoy
                 return envoy
             return value
-        names = list(module._modules) + [n for n, _ in module.named_parameters(recurse=False)]
+        names = list(submodules(module)) + [n for n, _ in module.named_parameters(recurse=False)]
         near = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(f'{self._path}.{n}' for n in near)}?" if near else ""
-        listing = ", ".join(list(module._modules)[:12]) or "none"
+        listing = ", ".join(list(submodules(module))[:12]) or "none"
         raise AttributeError(f"{self._path} ({type(module).__name__}) has no submodule or "
                              f"attribute {name!r}.{hint} Its submodules: {listing}.")
 
@@ -96,7 +97,7 @@ class Envoy:
         envoy = self
         for name in names:
             holder = envoy._module
-            if name not in holder._modules:
+            if name not in submodules(holder):
                 continue
             if isinstance(holder, torch.nn.ModuleDict):
                 envoy = envoy[name]
@@ -174,7 +175,7 @@ class Envoy:
             self._stop("output")  # raises
         stop = body.trace.stop_at(body, self, "output")
         value = stop.replacement
-        if value is _UNSET:
+        if value is UNSET:
             value = stop.view
         if value.__class__ is _Tensor:
             body.labels[id(value)] = (value, self._path, ".output")
@@ -192,7 +193,7 @@ class Envoy:
     def inputs(self):
         """``(args, kwargs)`` of the call."""
         _, stop = self._stop("input")
-        return stop.replacement if stop.replacement is not _UNSET else stop.view
+        return stop.replacement if stop.replacement is not UNSET else stop.view
 
     @inputs.setter
     def inputs(self, value):
@@ -207,7 +208,7 @@ class Envoy:
         body, stop = self._stop("input")
         if stop is PAUSE_STOP:  # a generator body waits for the run (generator_run.py)
             return PAUSED
-        args, kwargs = stop.replacement if stop.replacement is not _UNSET else stop.view
+        args, kwargs = stop.replacement if stop.replacement is not UNSET else stop.view
         value = _first(args, kwargs, self._path)
         body.remember(value, self._path, ".input")
         return value
@@ -215,7 +216,7 @@ class Envoy:
     @input.setter
     def input(self, value):
         body, stop = self._stop("input")
-        args, kwargs = stop.replacement if stop.replacement is not _UNSET else stop.view
+        args, kwargs = stop.replacement if stop.replacement is not UNSET else stop.view
         if args:
             stop.replace(((value,) + tuple(args[1:]), dict(kwargs)), f"{self._path}.input")
         elif kwargs:

@@ -65,8 +65,8 @@ def plan_for(frame) -> Plan | None:
 
 
 def _make_plan(frame, node) -> Plan | None:
-    first = capture._first_real_line(node.body)
-    names = capture._bound_names(node.body)
+    first = capture.first_real_line(node.body)
+    names = capture.bound_names(node.body)
     survey = Survey(set(names), {n.name for n in ast.walk(node) if isinstance(
         n, (ast.FunctionDef, ast.ClassDef))})
     for stmt in node.body:

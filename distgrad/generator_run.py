@@ -17,7 +17,7 @@ The protocol with the body, in three marks:
   installed gradient hook (``session.want_hooks``);
 * ``leave()``: the body needs the run it is inside to finish (before a backward block opens, and
   when one closes). The hook returns and the run goes on to its end;
-* the body's end, or its exception. An exception inside a hook unwinds the run with ``_Abort``
+* the body's end, or its exception. An exception inside a hook unwinds the run with ``Abort``
   and is raised again from the trace, with the body's own lines in its traceback.
 
 ``PAUSED`` is poisoned: code that was not rewritten (a helper function the body calls) that gets
@@ -35,9 +35,9 @@ from torch.utils.hooks import RemovableHandle
 from .backward import grad_passed, grad_stop
 from .envoy import Envoy
 from .errors import TraceStateError, check_replacement_grad
-from .gradpatch import _served
-from .paused import _HELPER, LEAVE, PAUSE_STOP, PAUSED
-from .session import _UNSET, _passed
+from .gradpatch import served
+from .paused import FAST_PATH_HELP, LEAVE, PAUSE_STOP, PAUSED
+from .session import UNSET, passed_error
 
 _getcurrent = greenlet.getcurrent
 _Tensor = torch.Tensor
@@ -67,7 +67,7 @@ class GeneratorDriver:
         for a new request, which is refused if the last one never reached the body's yield."""
         if asking and self.waiting is not None:
             self.waiting = None
-            raise TraceStateError(_HELPER)
+            raise TraceStateError(FAST_PATH_HELP)
         body = self.body
         stop = body.stop
         if stop is not None:
@@ -109,14 +109,14 @@ class GeneratorDriver:
             if stop.local:
                 return envoy.output  # raises: one value asked for in two forms
             value = stop.replacement
-            return stop.view if value is _UNSET else value
+            return stop.view if value is UNSET else value
         if self.waiting is not None:  # the last request never reached the body's yield
             self.waiting = None
-            raise TraceStateError(_HELPER)
+            raise TraceStateError(FAST_PATH_HELP)
         if stop is not None:  # leave it: the hook returns what the body put there
             body.stop = None
             reply = stop.replacement
-            if reply is _UNSET:
+            if reply is UNSET:
                 reply = stop.edited() if stop.tensor is not None else None
             self.reply = reply
         key = (point, point.calls)
@@ -125,7 +125,7 @@ class GeneratorDriver:
         stop.key = key
         stop.tensor = None
         stop.local = False
-        stop.replacement = _UNSET
+        stop.replacement = UNSET
         self.waiting = session
         self.passed = point.passed
         return PAUSED
@@ -138,7 +138,7 @@ class GeneratorDriver:
         stop = body.stop
         if stop is not None and stop.tensor is tensor:
             value = stop.replacement
-            return stop.view if value is _UNSET else value
+            return stop.view if value is UNSET else value
         block = body.block
         if (tensor.__class__ is not _Tensor or block is None or tensor.retains_grad
                 or not tensor.requires_grad):
@@ -148,14 +148,15 @@ class GeneratorDriver:
             return tensor.grad
         if self.waiting is not None:
             self.waiting = None
-            raise TraceStateError(_HELPER)
+            raise TraceStateError(FAST_PATH_HELP)
         if stop is not None:
             body.stop = None
             reply = stop.replacement
-            if reply is _UNSET:
+            if reply is UNSET:
                 reply = stop.edited() if stop.tensor is not None else None
             self.reply = reply
-        hooks = tensor._backward_hooks  # the entry Tensor.register_hook writes (see points.py)
+        # torch_internals.add_tensor_hook written out: a call here would cost every .grad read
+        hooks = tensor._backward_hooks
         if hooks is None:
             hooks = tensor._backward_hooks = OrderedDict()
             if tensor.grad_fn is not None:
@@ -168,7 +169,7 @@ class GeneratorDriver:
         stop = session.spare
         stop.key = _GRAD_KEY
         stop.tensor = tensor
-        stop.replacement = _UNSET
+        stop.replacement = UNSET
         self.waiting = session
         # (a partial, not a lambda: a closure would make cells of three locals on every call)
         self.passed = partial(grad_passed, block.tensor, tensor, body)
@@ -208,7 +209,7 @@ class GeneratorDriver:
         if attr == "grad":
             if not isinstance(obj, _Tensor) or body.block is None:
                 return None
-            if not (_served(obj) and obj.requires_grad):
+            if not (served(obj) and obj.requires_grad):
                 return None
             return PAUSED if grad_stop(body, obj) is PAUSE_STOP else None
         if not isinstance(obj, Envoy):
@@ -223,7 +224,7 @@ class GeneratorDriver:
             while not self.ended:
                 waiting = self.waiting
                 if waiting is None or waiting is LEAVE:
-                    raise TraceStateError(_HELPER)
+                    raise TraceStateError(FAST_PATH_HELP)
                 session = waiting
                 event = session.resume(None)
                 session.finished = True
@@ -254,7 +255,7 @@ class GeneratorDriver:
             session.wanted.clear()
             session.drop_want()
             self._step(self.gen.throw,
-                       event.value if event.kind == "error" else _passed(self.passed))
+                       event.value if event.kind == "error" else passed_error(self.passed))
         elif event.kind == "error":
             raise event.value
 
@@ -262,9 +263,9 @@ class GeneratorDriver:
         try:
             how(arg)
         except StopIteration:
-            self._ended()
+            self.mark_ended()
 
-    def _ended(self) -> None:
+    def mark_ended(self) -> None:
         self.ended = True
         self.waiting = None
         self.leave_stop(False)

@@ -10,9 +10,9 @@ import greenlet
 import torch
 
 from .errors import TraceStateError
-from .paused import _HELPER, PAUSE_STOP
-from .run import Outcome, _Abort, _outcome
-from .session import _UNSET, BODIES, Session, _passed
+from .paused import FAST_PATH_HELP, PAUSE_STOP
+from .run import Abort, Outcome, outcome_of
+from .session import BODIES, UNSET, Session, passed_error
 
 _getcurrent = greenlet.getcurrent
 _Tensor = torch.Tensor
@@ -36,14 +36,14 @@ class GeneratorRun:
     def resume(self, reply=None) -> Outcome:
         if self.running or self.finished:
             raise TraceStateError(f"distgrad: the {self.session.kind} was asked to run again "
-                                  f"while it runs. {_HELPER}")
+                                  f"while it runs. {FAST_PATH_HELP}")
         driver = self.driver
         self.running = True
         outer, driver.inside = driver.inside, self.session
         glet = driver.glet
         body = BODIES.pop(glet, None)  # the run's other hooks (a library's) see no body
         try:
-            event = _outcome(self.fn)  # an error is handed to the body, as a greenlet run does
+            event = outcome_of(self.fn)  # an error is handed to the body, as a greenlet run does
         finally:
             self.running = False
             self.finished = True
@@ -56,7 +56,7 @@ class GeneratorRun:
         return event
 
     def abort(self) -> None:
-        # A run on the stack unwinds by itself: the body's exception leaves the hook as _Abort.
+        # A run on the stack unwinds by itself: the body's exception leaves the hook as Abort.
         self.finished = True
 
 
@@ -81,7 +81,7 @@ class GeneratorSession(Session):
 
     def request_solo(self, body, key, passed_message, tensor=None, local=False):
         if self.finished:
-            raise _passed(passed_message)
+            raise passed_error(passed_message)
         driver = self.driver
         driver.leave_stop(True)
         self.wanted[key] = 1
@@ -90,7 +90,7 @@ class GeneratorSession(Session):
         stop.key = key
         stop.tensor = tensor
         stop.local = local
-        stop.replacement = _UNSET
+        stop.replacement = UNSET
         driver.waiting = self
         driver.passed = passed_message
         return PAUSE_STOP
@@ -135,11 +135,11 @@ class GeneratorSession(Session):
         try:
             driver.send(value)
         except StopIteration:
-            driver._ended()
+            driver.mark_ended()
         except BaseException as exc:
             driver.ended = True
             driver.error = exc
-            raise _Abort() from None
+            raise Abort() from None
         finally:
             del BODIES[glet]
         reply = driver.reply
@@ -160,6 +160,7 @@ class GeneratorSession(Session):
         driver.waiting = None
         value = grad.clone()  # the body's own copy (see Stop)
         stop = self.spare
+        # torch_internals.version, inline: this runs for every gradient read
         stop.version = value._version
         stop.view = value
         body = self.body
@@ -168,11 +169,11 @@ class GeneratorSession(Session):
         try:
             driver.send(value)
         except StopIteration:
-            driver._ended()
+            driver.mark_ended()
         except BaseException as exc:
             driver.ended = True
             driver.error = exc
-            raise _Abort() from None
+            raise Abort() from None
         finally:
             del BODIES[glet]
         reply = driver.reply

@@ -22,9 +22,10 @@ import torch
 
 from .backward import grad_stop, refuse_outside_block, write_grad
 from .errors import check_replacement_grad
-from .session import _UNSET, BODIES
+from .session import BODIES, UNSET
+from .torch_internals import PLAIN_GRAD
 
-_PLAIN = torch._C.TensorBase.__dict__["grad"]
+_PLAIN = PLAIN_GRAD
 _getcurrent = greenlet.getcurrent
 
 
@@ -32,7 +33,7 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 
 
-def _served(tensor) -> bool:
+def served(tensor) -> bool:
     # `type(t) is Tensor` first: Parameter's isinstance goes through a Python metaclass hook.
     return ((tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter))
             and not tensor.retains_grad)
@@ -55,7 +56,7 @@ def make_property(previous) -> BodyGrad:
     delete_previous = getattr(previous, "__delete__", _PLAIN.__delete__)
 
     # get_grad and set_grad run for every `.grad` in a body (three times per read+edit), so the common
-    # cases are written out here rather than called: Stop.value(), _served(), Stop.replace().
+    # cases are written out here rather than called: Stop.value(), served(), Stop.replace().
     def get_grad(tensor):
         if BODIES:
             body = BODIES.get(_getcurrent())
@@ -63,13 +64,13 @@ def make_property(previous) -> BodyGrad:
                 stop = body.stop
                 if stop is not None and stop.tensor is tensor:  # the gradient the backward is at
                     value = stop.replacement
-                    return stop.view if value is _UNSET else value
+                    return stop.view if value is UNSET else value
                 if ((tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter))
                         and not tensor.retains_grad):
                     if body.block is not None:
                         stop = grad_stop(body, tensor)
                         value = stop.replacement
-                        return stop.view if value is _UNSET else value
+                        return stop.view if value is UNSET else value
                     refuse_outside_block(body, tensor)
         return get_previous(tensor, tensor.__class__)
 
@@ -86,7 +87,7 @@ def make_property(previous) -> BodyGrad:
                                                value)
                     stop.replacement = value
                     return
-                if body.block is not None and _served(tensor) and tensor.requires_grad:
+                if body.block is not None and served(tensor) and tensor.requires_grad:
                     write_grad(body, tensor, value)
                     return
         set_previous(tensor, value)

@@ -58,7 +58,7 @@ def run_invokes(trace) -> None:
     args, kwargs, rows = batching.join([inv.inputs for inv in invokes], trace.model._tokenizer)
     scheduler = greenlet.getcurrent()
     bodies = [Body(trace, rows=r, index=i, scheduler=scheduler) for i, r in enumerate(rows)]
-    trace.forward = trace._session(bodies, args, kwargs)
+    trace.forward = trace.open_session(bodies, args, kwargs)
     trace.forward.slices = trace.slices = {}
     trace.backward = None
     namespace = {**frame.f_globals, **frame.f_locals}
@@ -133,10 +133,10 @@ def _backward_session(trace, bodies: list[Body]) -> Session:
         grads = [b.args[0] if b.args else None for b in blocks]
         return torch.autograd.backward([b.tensor for b in blocks], grads, **first.kwargs)
 
-    from .backward import _threaded
+    from .backward import backward_threaded
     fill_retained_grads(trace.slices)
     session = Session("backward", run, bodies, size=trace.forward.size,
-                      threaded=_threaded(first.tensor))
+                      threaded=backward_threaded(first.tensor))
     session.slices = trace.slices
     return session
 

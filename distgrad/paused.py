@@ -9,7 +9,7 @@ from __future__ import annotations
 from .errors import TraceStateError
 from .session import Stop
 
-_HELPER = ("distgrad runs this trace body as a generator (its fast path), and a value was asked "
+FAST_PATH_HELP = ("distgrad runs this trace body as a generator (its fast path), and a value was asked "
            "for where the body cannot pause: inside a function the body calls, or through "
            "getattr. Read .output / .input / .grad in the with-block itself and pass the values "
            "to the function, or set distgrad.config.body_mode = 'greenlet' to run bodies in "
@@ -22,7 +22,7 @@ class Paused:
     __slots__ = ()
 
     def _fail(self, *args, **kwargs):
-        raise TraceStateError(_HELPER)
+        raise TraceStateError(FAST_PATH_HELP)
 
     def __repr__(self):
         return "<distgrad: waiting for the run>"
@@ -43,7 +43,7 @@ class _PausedStop(Stop):
     """The Stop a request returns while the body must wait; writing to it is a helper's write."""
 
     def replace(self, value, label) -> None:
-        raise TraceStateError(_HELPER)
+        raise TraceStateError(FAST_PATH_HELP)
 
 
 PAUSE_STOP = _PausedStop.blank("value")

@@ -7,39 +7,14 @@ stops the run only when some body waits for exactly that key.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from . import checkpointing
+from .torch_internals import add_tensor_hook, new_hook_id
 
 _NO_REPLY = None
-_Tensor = torch.Tensor
 _top_saved_tensor_hooks = checkpointing.top_saved_tensor_hooks
 _grad_enabled = checkpointing.grad_enabled
-
-
-def _new_hook_id() -> int:
-    # The counter torch's own handles draw from, so an id never collides with a user's hook.
-    hid = RemovableHandle.next_id
-    RemovableHandle.next_id = hid + 1
-    return hid
-
-
-def add_tensor_hook(tensor: torch.Tensor, hook):
-    """``tensor.register_hook(hook)`` without the handle, for a plain tensor: returns the hook
-    dict and the entry's id (the way to remove it), or ``(None, handle)`` for a subclass."""
-    if tensor.__class__ is not _Tensor:
-        return None, tensor.register_hook(hook)
-    hooks = tensor._backward_hooks
-    if hooks is None:
-        hooks = tensor._backward_hooks = OrderedDict()
-        if tensor.grad_fn is not None:
-            tensor.grad_fn._register_hook_dict(tensor)
-    hid = _new_hook_id()
-    hooks[hid] = hook
-    return hooks, hid
 
 
 # Why not register_forward_hook / register_hook: each builds a RemovableHandle (a weakref per
@@ -59,7 +34,7 @@ class ModulePoint:
         self.kind = kind  # "input" or "output"
         self.suffix = "." + kind  # for labels: "model.h[0]" + ".output"
         self.key = (id(module), kind)  # its key in a session's points
-        self.hid = _new_hook_id()
+        self.hid = new_hook_id()
         self.arm(session)
 
     def arm(self, session) -> None:
@@ -72,9 +47,11 @@ class ModulePoint:
         # The bound method lives only in the module's hook dict, so that remove() leaves no
         # point -> method -> point cycle for the cycle collector.
         if self.kind == "output":
+            # torch_internals.forward_hooks, inline: this runs for every point armed
             self.hooks = hooks = module._forward_hooks
             hooks[hid] = self._on_output
         else:
+            # torch_internals.forward_pre_hooks and .pre_hooks_with_kwargs, inline (as above)
             self.hooks = hooks = module._forward_pre_hooks
             module._forward_pre_hooks_with_kwargs[hid] = True
             hooks[hid] = self._on_input
@@ -125,6 +102,7 @@ class ModulePoint:
     def remove(self):
         self.hooks.pop(self.hid, None)
         if self.kind == "input":
+            # torch_internals.pre_hooks_with_kwargs, inline: this runs for every point removed
             self.module._forward_pre_hooks_with_kwargs.pop(self.hid, None)
         self.session = None  # free to be armed again
 

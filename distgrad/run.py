@@ -28,7 +28,7 @@ import greenlet
 import torch
 
 
-class _Abort(BaseException):
+class Abort(BaseException):
     """Thrown into a run to unwind it after the body failed; never reaches the user."""
 
 
@@ -49,10 +49,10 @@ class Outcome:
         return Outcome(self.kind, value)
 
 
-def _outcome(fn) -> Outcome:
+def outcome_of(fn) -> Outcome:
     try:
         return Outcome("done", fn())
-    except (_Abort, greenlet.GreenletExit) as exc:
+    except (Abort, greenlet.GreenletExit) as exc:
         if isinstance(exc, greenlet.GreenletExit):
             raise
         return Outcome("aborted")
@@ -70,7 +70,7 @@ _getcurrent = greenlet.getcurrent
 
 def _runner(fn):
     while True:
-        outcome = _outcome(fn)
+        outcome = outcome_of(fn)
         fn = None  # the finished run's function (its inputs, a backward's graph) dies with it
         fn = greenlet.getcurrent().parent.switch(outcome)
 
@@ -136,7 +136,7 @@ class BodyRunners:
             self.registry.pop(glet, None)
             if id(glet) in started:  # started and not ended
                 glet.parent = scheduler
-                if glet.throw(_Abort()).__class__ is not Outcome:
+                if glet.throw(Abort()).__class__ is not Outcome:
                     continue  # the body caught the abort and waits again: never reuse it
             _give_back(glet)
         self.taken, self.todo = [], {}
@@ -187,7 +187,7 @@ class GreenletRun:
     def abort(self):
         if self.glet is not None:
             self.glet.parent = greenlet.getcurrent()
-            self.glet.throw(_Abort())
+            self.glet.throw(Abort())
             self.done()
         self.finished = True
 
@@ -246,9 +246,9 @@ class ThreadRun:
         if self._stream is not None:
             torch.cuda.set_device(self._stream.device)
             with torch.cuda.stream(self._stream):
-                self._box = _outcome(self.fn)
+                self._box = outcome_of(self.fn)
         else:
-            self._box = _outcome(self.fn)
+            self._box = outcome_of(self.fn)
         self._to_body.release()
 
     def resume(self, reply=None):
@@ -267,12 +267,12 @@ class ThreadRun:
     def hand(self, key, value):
         with self._one_hand:
             if self._aborting:
-                raise _Abort()
+                raise Abort()
             self._box = (key, value)
             self._to_body.release()
             self._to_run.acquire()
             if self._aborting:
-                raise _Abort()
+                raise Abort()
             return self._reply
 
     def abort(self):

@@ -17,6 +17,7 @@ import torch
 
 from .errors import TraceStateError
 from .session import BODIES, current_body
+from .torch_internals import view_base
 
 _getcurrent = greenlet.getcurrent
 
@@ -128,7 +129,7 @@ def saved_label(tensor: torch.Tensor, labels: dict) -> tuple:
     named = labels.get(id(tensor))
     if named is not None and named[0] is tensor:
         return named[1], named[2]
-    base = tensor._base
+    base = view_base(tensor)
     if base is not None:
         named = labels.get(id(base))
         if named is not None and named[0] is base:

@@ -19,7 +19,7 @@ from .points import GradPoint, ModulePoint
 from .run import GreenletRun, ThreadRun
 
 BODIES: dict = {}
-_UNSET = object()
+UNSET = object()
 _getcurrent = greenlet.getcurrent
 
 
@@ -76,7 +76,7 @@ class Stop:
         self.tensor = tensor  # whose .grad this is, as the body named it
         self.kind = kind
         self.rows = rows
-        self.replacement = _UNSET
+        self.replacement = UNSET
         self.local = local  # asked for through `.local` (this rank's shard as it is)
         if rows is not None:
             value = batching.narrow(value, rows, size, slices)
@@ -84,6 +84,7 @@ class Stop:
             # The body gets its own copy: autograd may pass one gradient tensor to several
             # branches, and an in-place edit must reach only the branch of this tensor.
             value = value.clone()
+            # torch_internals.version, inline: this runs for every gradient read
             self.version = value._version
         self.view = value
 
@@ -94,12 +95,12 @@ class Stop:
         stop.kind = kind
         stop.rows = None
         stop.key = stop.tensor = stop.view = stop.version = None
-        stop.replacement = _UNSET
+        stop.replacement = UNSET
         stop.local = False
         return stop
 
     def value(self):
-        return self.view if self.replacement is _UNSET else self.replacement
+        return self.view if self.replacement is UNSET else self.replacement
 
     def replace(self, value, label) -> None:
         """``label``: the name the user wrote, or a function that words it (error paths only)."""
@@ -108,18 +109,19 @@ class Stop:
         self.replacement = value
 
     def reply(self):
-        if self.replacement is not _UNSET:
+        if self.replacement is not UNSET:
             return self.replacement
         return self.edited()
 
     def edited(self):
         """The body's copy of a gradient if the body edited it in place, else None."""
+        # torch_internals.version, inline: this runs for every gradient handed back
         if self.kind == "grad" and self.view._version != self.version:
             return self.view
         return None
 
 
-def _passed(passed_message) -> Exception:
+def passed_error(passed_message) -> Exception:
     """The error for a key the run went past: ``passed_message()`` gives the text, or the whole
     exception when the cause is not ordering (a tensor no gradient reaches)."""
     found = passed_message()
@@ -173,7 +175,7 @@ class Session:
         return point
 
     # -- the body side --------------------------------------------------------------------
-    def request(self, body: Body, key, passed_message, rows=_UNSET, tensor=None,
+    def request(self, body: Body, key, passed_message, rows=UNSET, tensor=None,
                 local: bool = False) -> Stop:
         """Stop where ``key`` fires and return the body's view of it (its ``rows`` of it).
         ``passed_message()`` words the error if the run goes past ``key`` instead."""
@@ -181,11 +183,11 @@ class Session:
         if stop is not None and stop.key == key:
             return stop
         if self.finished:
-            raise _passed(passed_message)
-        if self.solo and rows is _UNSET:
+            raise passed_error(passed_message)
+        if self.solo and rows is UNSET:
             return self.request_solo(body, key, passed_message, tensor, local)
         body.pending = key
-        body.asked = (body.rows if rows is _UNSET else rows, tensor, local)
+        body.asked = (body.rows if rows is UNSET else rows, tensor, local)
         wanted = self.wanted
         wanted[key] = wanted.get(key, 0) + 1
         try:
@@ -201,20 +203,20 @@ class Session:
         stop = body.stop
         if stop is not None and stop.key == key:
             return stop
-        raise _passed(passed_message)
+        raise passed_error(passed_message)
 
     def request_solo(self, body: Body, key, passed_message, tensor=None, local=False) -> Stop:
         """``request`` for a ``solo`` session, when the body is not already at ``key``."""
-        # request + advance + _reply + Stop() for the common case, written out: this runs twice
-        # per read+edit, and each call of the general path costs a few hundred nanoseconds here.
+        # request + advance + bodies_reply + Stop() for the common case, written out: this runs
+        # twice per read+edit, and each call of the general path costs a few hundred nanoseconds.
         if self.finished:
-            raise _passed(passed_message)
+            raise passed_error(passed_message)
         stop = body.stop
         reply = None
         if stop is not None:
             body.stop = None
             reply = stop.replacement
-            if reply is _UNSET:
+            if reply is UNSET:
                 reply = stop.edited()
         wanted = self.wanted
         wanted[key] = 1
@@ -235,10 +237,11 @@ class Session:
             stop.key = key
             stop.tensor = tensor
             stop.local = local
-            stop.replacement = _UNSET
+            stop.replacement = UNSET
             value = event[1]
             if tensor is not None:  # a gradient: the body's own copy (see Stop)
                 value = value.clone()
+                # torch_internals.version, inline: this runs for every gradient read
                 stop.version = value._version
             stop.view = value
             body.stop = stop
@@ -246,11 +249,11 @@ class Session:
         self.finished = True
         if event.kind == "error":
             raise event.value
-        raise _passed(passed_message)
+        raise passed_error(passed_message)
 
     def advance(self) -> None:
         """Resume the run with the bodies' replies until it pauses at a wanted key or ends."""
-        event = self.resume(self._reply())
+        event = self.resume(self.bodies_reply())
         if event.__class__ is tuple:
             key, value = event
             self.paused_key = key
@@ -307,7 +310,7 @@ class Session:
         whole, token = self.views.show(point.kind, point.module, value, point.label)
         return whole, (None if token is None else ("value", token))
 
-    def _reply(self):
+    def bodies_reply(self):
         if self.solo:
             body = self.bodies[0]
             stop = body.stop

@@ -15,7 +15,7 @@ from . import batching, capture, engines, generator_body, patches, wrappers
 from .config import config
 from .envoy import Envoy
 from .errors import OutOfOrderError, TraceStateError, drop_context, forget_frames
-from .session import _UNSET, BODIES, Body, Session, current_body
+from .session import BODIES, UNSET, Body, Session, current_body
 
 
 class Model(Envoy):
@@ -201,7 +201,7 @@ class Trace:
                 raise TraceStateError("in a trace with invokes, read model values inside the "
                                       "`with tracer.invoke(...):` blocks.")
             args, kwargs = batching.prepare(*self.raw_inputs, self.model._tokenizer)
-            self.forward = self._session([self.body], args, kwargs)
+            self.forward = self.open_session([self.body], args, kwargs)
         return self.forward
 
     # -- invokes (invoke.py runs them) -------------------------------------------------------
@@ -232,7 +232,7 @@ class Trace:
         from .invoke import invoke_grad
         return invoke_grad(self, body, tensor)
 
-    def _session(self, bodies, args, kwargs) -> Session:
+    def open_session(self, bodies, args, kwargs) -> Session:
         if not args and not kwargs:
             raise TraceStateError("model.trace() has no inputs: pass them to trace(...) or add "
                                   "`with tracer.invoke(...):` blocks.")
@@ -281,7 +281,7 @@ class Trace:
                 f"{point.path}.{kind} (call {call}) was requested after the run had already "
                 f"passed it (the module has run {point.calls} time(s) since the trace first named "
                 f"it). Name repeated modules before the forward reaches them.")
-        return session.request(body, (point, call), point.passed, _UNSET, None, envoy._local)
+        return session.request(body, (point, call), point.passed, UNSET, None, envoy._local)
 
     def _new_point(self, session: Session, envoy: Envoy, kind: str):
         kept = envoy._kept  # this envoy's points from earlier traces, by kind

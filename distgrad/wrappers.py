@@ -15,9 +15,9 @@
 """
 from __future__ import annotations
 
-import sys
-
 import torch
+
+from .torch_internals import compiled_original, dynamo_imported
 
 
 class EagerWhileTracing:
@@ -33,7 +33,7 @@ class EagerWhileTracing:
         if self.open_traces == 0:
             # dynamo not imported: nothing in this process can have been compiled, and
             # importing it (seconds) to say so would be waste
-            if "torch._dynamo" not in sys.modules:
+            if not dynamo_imported():
                 return False
             self.stance = torch.compiler.set_stance("force_eager")  # applies at once
         self.open_traces += 1
@@ -53,10 +53,7 @@ EAGER = EagerWhileTracing()
 
 def compiled_inner(obj):
     """The module inside ``torch.compile(obj)``, or None when ``obj`` is not compiled that way."""
-    if "torch._dynamo" not in sys.modules:
-        return None
-    from torch._dynamo.eval_frame import OptimizedModule
-    return obj._orig_mod if isinstance(obj, OptimizedModule) else None
+    return compiled_original(obj)
 
 
 def module_path(root: torch.nn.Module, module: torch.nn.Module) -> str | None:

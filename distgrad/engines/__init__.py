@@ -5,6 +5,7 @@ import torch
 
 from .base import Engine
 from .local import LocalEngine
+from ..torch_internals import pipeline_schedule_class
 from ..wrappers import compiled_inner
 
 
@@ -56,7 +57,7 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
     if isinstance(obj, FullyShardedDataParallel):
         from .fsdp1 import FSDP1Engine
         return FSDP1Engine(obj)
-    if _is_fully_sharded(obj):
+    if is_fully_sharded(obj):
         from .fsdp2 import FSDP2Engine
         return FSDP2Engine(obj)
     if isinstance(obj, torch.nn.Module):
@@ -65,14 +66,11 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
 
 
 def _is_pipeline_schedule(obj) -> bool:
-    try:
-        from torch.distributed.pipelining.schedules import _PipelineSchedule
-    except ImportError:
-        return False
-    return isinstance(obj, _PipelineSchedule)
+    schedule_class = pipeline_schedule_class()
+    return schedule_class is not None and isinstance(obj, schedule_class)
 
 
-def _is_fully_sharded(obj) -> bool:
+def is_fully_sharded(obj) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:

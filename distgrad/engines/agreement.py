@@ -130,7 +130,7 @@ class Agreement:
         def after_slice():
             if not asked:  # ask the peers' watchers where their ranks are
                 asked.append(True)
-                ask(self.engine._store, self.engine._running)
+                ask(self.engine.store, self.engine.running)
                 return
             for peer in self.ranks:
                 if peer == dist.get_rank():
@@ -153,14 +153,14 @@ class Agreement:
         """Raise ``error``, once the peers' watchers have read it: they hear of it only when
         this process ends (their collective breaks then), and this one may hold the store."""
         engine = self.engine
-        key = engine._key_now()
-        if engine._tell(key, error):
-            engine._wait_for_readers(key, engine._job_rank, config.failure_timeout)
+        key = engine.key_now()
+        if engine.tell(key, error):
+            engine.wait_for_readers(key, engine.job_rank, config.failure_timeout)
         raise error
 
     def _state_of(self, peer: int):
-        store = self.engine._store
-        key = f"distgrad/agree-state/{self.name}/{self.engine._running}/{peer}"
+        store = self.engine.store
+        key = f"distgrad/agree-state/{self.name}/{self.engine.running}/{peer}"
         try:
             if not store.check([key]):
                 return None, None

@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ..saving import saved_label
+from ..torch_internals import allgather_base, foreach_copy_, set_grad_enabled
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
-_CODE = {dtype: i for i, dtype in enumerate(_DTYPES)}
+DTYPE_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 _MODES = ("rank0", "all")
 # int64s: fits (1 or 0), number of tensors, bytes needed in all, layout length (0 when the
 # layout is that of this rank's previous trace), same layout as before (1 or 0)
@@ -78,7 +79,7 @@ class Exchange:
         the user holds shows the result). Raises ValueError on every rank alike when the ranks'
         saves do not line up; the saved tensors then keep their local values."""
         grad = torch.is_grad_enabled()  # the packing writes to out=, which autograd refuses
-        torch._C._set_grad_enabled(False)  # (cheaper than the torch.no_grad decorator)
+        set_grad_enabled(False)  # (cheaper than the torch.no_grad decorator)
         self._bound = None
         try:
             for tensor, value in self._exchange(saves):
@@ -87,7 +88,7 @@ class Exchange:
             self._unbind()
             raise
         finally:
-            torch._C._set_grad_enabled(grad)
+            set_grad_enabled(grad)
 
     def _unbind(self):
         """Undo an early binding: back to the local values, which the send buffer holds."""
@@ -187,8 +188,9 @@ class Exchange:
         return [(tensors[i], v) for i, v in zip(plan.wanted, values)]
 
     def _start(self, gathered: torch.Tensor, send: torch.Tensor):
-        if hasattr(self.group, "_allgather_base"):  # skips all_gather's Python checks
-            return self.group._allgather_base(gathered, send)
+        gather_flat = allgather_base(self.group)
+        if gather_flat is not None:  # skips all_gather's Python checks
+            return gather_flat(gathered, send)
         return _all_gather(gathered, send, self.group, async_op=True)
 
     def _buffers_for(self, size: int, device):
@@ -211,7 +213,7 @@ def _layout(meta: tuple) -> list:
     every tensor starts 8-byte aligned."""
     specs, at, offset = [], 0, 0
     while at < len(meta):
-        dtype, mode, dim, ndim = _DTYPES[meta[at]], _MODES[meta[at + 1]], meta[at + 2], meta[at + 3]
+        dtype, mode, dim, ndim = DTYPES[meta[at]], _MODES[meta[at + 1]], meta[at + 2], meta[at + 3]
         shape = tuple(meta[at + 4: at + 4 + ndim])
         at += 4 + ndim
         size, words = meta[at], _round8(meta[at]) // 8
@@ -236,7 +238,7 @@ class _Pack:
     def __init__(self, key: list):
         self.meta = []
         for dtype, shape, mode, dim, label in key:
-            self.meta += [_CODE[dtype], _MODES.index(mode), dim, len(shape), *shape,
+            self.meta += [DTYPE_CODE[dtype], _MODES.index(mode), dim, len(shape), *shape,
                           *_label_words(label)]
         self.specs = _layout(self.meta)
         self.nbytes = sum(_round8(s[5]) for s in self.specs)
@@ -270,7 +272,7 @@ class _Pack:
             self.block = views[1]  # [S, *shape]: this rank's values, while the buffer lives
             torch.stack(tensors, out=self.block)
         else:
-            torch._foreach_copy_(views[1], tensors)
+            foreach_copy_(views[1], tensors)
 
 
 class _Plan:

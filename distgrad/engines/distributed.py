@@ -34,6 +34,7 @@ from ..config import config
 from ..errors import RankFailedError
 from ..saving import LabelledSaves
 from ..session import current_body
+from ..torch_internals import default_store
 from . import collective
 from .agreement import Agreement, asked, where
 from .base import Engine
@@ -57,15 +58,15 @@ class DistributedEngine(Engine):
         self._world = dist.get_world_size(self.group)
         # failures are told to the whole job, by global rank (the gather group may be smaller:
         # the data-parallel dimension of a 2-D mesh)
-        self._job_rank, self._job_world = dist.get_rank(), dist.get_world_size()
+        self.job_rank, self.job_world = dist.get_rank(), dist.get_world_size()
         self._traces = 0   # traces ended (incremented as end_trace starts)
-        self._running = 1  # the number of the trace running, or of the last one (keys use it)
+        self.running = 1  # the number of the trace running, or of the last one (keys use it)
         # gather=False: every rank already holds the global values (tensor parallel alone)
         self._exchange = (collective.Exchange(self.group, self._rank, self._world,
                                               wait=self.wait_in_slices) if gather else None)
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
-        self._store = _store()
+        self.store = _store()
         self._watch = _Watch(self)
         # rank-dependent requests raise instead of hanging (agreement.py): parameter gradients
         # of sharded engines here, tensor-parallel views in tensor_parallel.py
@@ -100,7 +101,7 @@ class DistributedEngine(Engine):
 
     # -- the start and end of every trace -------------------------------------------------
     def begin_trace(self) -> None:
-        self._running = self._traces + 1
+        self.running = self._traces + 1
         self._watch.active.set()
         if self._exchange is not None:
             # name each saved gradient too, so that the gather can check that the ranks saved
@@ -132,7 +133,7 @@ class DistributedEngine(Engine):
 
     def check_failure(self) -> None:
         """Raise, as a broken connection would, if a rank has failed in this trace."""
-        found = self._watch.read(self._key_now())
+        found = self._watch.read(self.key_now())
         if found is not None:
             raise RuntimeError(f"Connection closed: {found[1]}")
 
@@ -160,24 +161,24 @@ class DistributedEngine(Engine):
     def _key(self) -> str:
         return f"distgrad/failure/{self._traces}"
 
-    def _key_now(self) -> str:
+    def key_now(self) -> str:
         """The failure key of the trace now running (also while it ends)."""
-        return f"distgrad/failure/{self._running}"
+        return f"distgrad/failure/{self.running}"
 
     def _fail(self, error: BaseException):
         if isinstance(error, RankFailedError):
             return None
         if _is_comm_error(error):
             return self._peer_failure(error)
-        self._tell(self._key(), error)
+        self.tell(self._key(), error)
         _break_connections()
         return None  # re-raise the user's own error on this rank
 
-    def _tell(self, key: str, error: BaseException) -> bool:
+    def tell(self, key: str, error: BaseException) -> bool:
         """Write ``error`` under the failure ``key`` for the peers; False if the store is gone
         (the store's host may have exited; the peers then say "lost")."""
         try:
-            self._store.set(key, f"{self._job_rank}\nrank {self._job_rank}: "
+            self.store.set(key, f"{self.job_rank}\nrank {self.job_rank}: "
                                  f"{type(error).__name__}: {error}")
             return True
         except Exception:
@@ -194,19 +195,19 @@ class DistributedEngine(Engine):
         _break_connections()
         if found is None:
             return RankFailedError(
-                f"rank {self._job_rank}: a peer rank stopped answering during the trace (killed or "
+                f"rank {self.job_rank}: a peer rank stopped answering during the trace (killed or "
                 f"crashed without a Python error): {str(error).splitlines()[0][:200]}")
         failing, message = found
-        if self._job_rank == 0:
-            self._wait_for_readers(key, failing, 3 * config.failure_timeout)
-        return RankFailedError(f"rank {self._job_rank} stopped because {message}")
+        if self.job_rank == 0:
+            self.wait_for_readers(key, failing, 3 * config.failure_timeout)
+        return RankFailedError(f"rank {self.job_rank} stopped because {message}")
 
-    def _wait_for_readers(self, key: str, failing: int, timeout: float) -> None:
+    def wait_for_readers(self, key: str, failing: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        readers = [f"{key}/read/{r}" for r in range(self._job_world)
+        readers = [f"{key}/read/{r}" for r in range(self.job_world)
                    if r not in (0, failing)]
         try:
-            while readers and not self._store.check(readers) and time.monotonic() < deadline:
+            while readers and not self.store.check(readers) and time.monotonic() < deadline:
                 time.sleep(0.05)
         except Exception:
             pass
@@ -218,7 +219,7 @@ class _Watch:
     thread per engine; it ends with the engine."""
 
     def __init__(self, engine: DistributedEngine):
-        self.store, self.rank = engine._store, engine._job_rank
+        self.store, self.rank = engine.store, engine.job_rank
         self.seen: dict = {}
         self.stopped = threading.Event()
         self.active = threading.Event()  # set from the start of a trace to the end of end_trace
@@ -256,8 +257,8 @@ class _Watch:
             engine = ref()
             if engine is None or not dist.is_initialized():
                 return
-            key = engine._key_now()  # the trace now running, also in its end-of-trace gather
-            running, answering = engine._running, list(engine.answering)
+            key = engine.key_now()  # the trace now running, also in its end-of-trace gather
+            running, answering = engine.running, list(engine.answering)
             del engine
             if key not in self.seen:
                 self.read(key)
@@ -278,7 +279,7 @@ def _is_comm_error(error: BaseException) -> bool:
 
 
 def _store():
-    return dist.distributed_c10d._get_default_store()
+    return default_store()
 
 
 def _break_connections() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+from ..torch_internals import submodules
 from .distributed import DistributedEngine
 
 _WRAPPER_CHILDREN = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -30,7 +31,8 @@ class FSDP1Engine(DistributedEngine):
 
     def unwrap(self, module):
         while True:
-            inner = next((module._modules[n] for n in _WRAPPER_CHILDREN if n in module._modules), None)
+            children = submodules(module)
+            inner = next((children[n] for n in _WRAPPER_CHILDREN if n in children), None)
             if inner is None:
                 return module
             module = inner

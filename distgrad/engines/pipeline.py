@@ -61,6 +61,9 @@ import torch
 import torch.distributed as dist
 
 from ..capture import NotSaved
+from ..torch_internals import (replace_schedule_loss_step, restore_schedule_loss_step,
+                               schedule_last_loss, schedule_loss_step, schedule_microbatches,
+                               schedule_stages)
 from .distributed import DistributedEngine
 
 
@@ -78,9 +81,7 @@ class PipelineEngine(DistributedEngine):
     generator_bodies = False  # (its bodies are greenlets that the step's hooks wake)
 
     def __init__(self, schedule, full_model: torch.nn.Module):
-        stages = getattr(schedule, "_stages", None)
-        if stages is None:
-            stages = [schedule._stage] if getattr(schedule, "_stage", None) is not None else []
+        stages = schedule_stages(schedule)
         if not stages:
             raise NotImplementedError(f"distgrad.wrap({type(schedule).__name__}): a schedule "
                                       f"with no pipeline stage is not supported.")
@@ -96,7 +97,7 @@ class PipelineEngine(DistributedEngine):
                             "may be on the meta device) so that the body can use its paths.")
         mine = sorted(stage_indices)
         super().__init__(full_model, group=dist.group.WORLD, gather=False)
-        world = self._job_world
+        world = self.job_world
         self.full = full_model
         # values received from other stages are placed where this stage's parameters live
         first = next((p for m in submods for p in m.parameters()), None)
@@ -130,7 +131,7 @@ class PipelineEngine(DistributedEngine):
         # Neighbours whose own activation messages also carry distgrad's values (carry()), per
         # stage of this rank; decided from every rank's answer, so both ends of a link agree.
         can = {r: c for r, (_, c) in enumerate(table)}
-        rank = self._job_rank
+        rank = self.job_rank
         self.carry_to, self.carry_from = {}, {}
         for s in mine:
             for other, links in ((s + 1, self.carry_to), (s - 1, self.carry_from)):
@@ -149,7 +150,7 @@ class PipelineEngine(DistributedEngine):
 
     # -- what differs between pipeline runtimes ---------------------------------------------
     def microbatches(self) -> int:
-        return self.schedule._n_microbatches
+        return schedule_microbatches(self.schedule)
 
     def run_step(self, args: tuple, kwargs: dict):
         """One step of the schedule: inputs on the first stage, target and losses on the last."""
@@ -165,7 +166,7 @@ class PipelineEngine(DistributedEngine):
         """Call ``on_chunk(phase, stage, microbatch)`` as each chunk starts ("F"/"B") and
         ``on_loss(microbatch, loss)`` when the last stage has a microbatch's loss. Returns
         a function that undoes it."""
-        schedule, loss = self.schedule, self.schedule._maybe_compute_loss
+        schedule, loss = self.schedule, schedule_loss_step(self.schedule)
 
         def chunk(phase, index, real):
             def run(chunk_id, *args, **kwargs):
@@ -176,18 +177,18 @@ class PipelineEngine(DistributedEngine):
         def compute_loss(st, output, target_mbs, mb_index, *args, **kwargs):
             loss(st, output, target_mbs, mb_index, *args, **kwargs)
             if st.is_last:
-                on_loss(mb_index, schedule._internal_losses[-1])
+                on_loss(mb_index, schedule_last_loss(schedule))
 
         for stage in self.stages:
             stage.forward_one_chunk = chunk("F", stage.stage_index, stage.forward_one_chunk)
             stage.backward_one_chunk = chunk("B", stage.stage_index, stage.backward_one_chunk)
-        schedule._maybe_compute_loss = compute_loss
+        replace_schedule_loss_step(schedule, compute_loss)
 
         def restore():
             for stage in self.stages:
                 for name in ("forward_one_chunk", "backward_one_chunk"):
                     stage.__dict__.pop(name, None)
-            schedule.__dict__.pop("_maybe_compute_loss", None)
+            restore_schedule_loss_step(schedule)
         return restore
 
     def _can_carry(self) -> bool:

@@ -84,7 +84,7 @@ class RequestChecks:
         """What ``src`` has said it sent this rank: ``(tags of the batches sent, tags of the
         moments whose batches have gone, or None for all of them)``, or None if it has said
         nothing yet."""
-        store, key = self.engine._store, f"{self._sends_key()}/{src}/{self.rank}"
+        store, key = self.engine.store, f"{self._sends_key()}/{src}/{self.rank}"
         try:
             if not store.check([key]):
                 return None
@@ -108,7 +108,7 @@ class RequestChecks:
             self._publish(store, ",".join(map(str, list(self.gone))))
 
     def _sends_key(self) -> str:
-        return f"distgrad/pipeline-sends/{self.engine._running}"
+        return f"distgrad/pipeline-sends/{self.engine.running}"
 
     def _wait_agreeing(self, theirs: torch.Tensor, work) -> None:
         """Wait for a peer's numbers of the end-of-step check, reading the failure key every
@@ -127,7 +127,7 @@ class RequestChecks:
                     self.engine.check_failure()
                     if not self.told:
                         self.told = True
-                        self._publish(self.engine._store, "*")  # every batch has gone
+                        self._publish(self.engine.store, "*")  # every batch has gone
                     slice_ends = time.monotonic() + config.failure_timeout
         work.wait()  # landed, or landing: nothing can stop it now
 
@@ -143,7 +143,7 @@ class RequestChecks:
             self.engine.check_failure()
             if not asked:  # src's failure watcher then says what src has sent (publish_state)
                 asked = True
-                ask(self.engine._store, self.engine._running)
+                ask(self.engine.store, self.engine.running)
             published = self._published(src)
             if published is not None and tag not in published[0] and (
                     published[1] is None or tag in published[1]):

@@ -13,7 +13,7 @@ bytecodes a value, as ``benchmarks/diagnostics/pp_bytecodes_ranks.py`` counts), 
   and wakes the body whose local value has passed (it raises);
 * when the last body ends, mid-step, the ``"end"`` batches go and the end-of-step check starts,
   as the scheduler did;
-* a body's exception unwinds the step as ``_Abort`` (a ``BaseException``: the interleaved
+* a body's exception unwinds the step as ``Abort`` (a ``BaseException``: the interleaved
   schedules log and re-raise every ``Exception``) and is raised again from the trace.
 
 Only on one thread: on CUDA the backward calls hooks on autograd's device threads, which cannot
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import greenlet
 
-from ..run import _Abort
+from ..run import Abort
 from ..session import BODIES, Stop
 
 _getcurrent = greenlet.getcurrent
@@ -47,7 +47,7 @@ class DirectSteps:
         error = None
         try:
             self.engine.run_step(args, kwargs)
-        except _Abort:
+        except Abort:
             error, self.body_error = self.body_error, None
             if error is None:
                 raise
@@ -92,13 +92,13 @@ class DirectSteps:
         try:
             for body in served:
                 self._wake(body)
-        except _Abort:
+        except Abort:
             raise
         except BaseException as exc:  # the body's: unwind the step, then raise it
             self.body_error = exc
-            raise _Abort() from None
+            raise Abort() from None
         session.served = served
-        return session._reply()
+        return session.bodies_reply()
 
     def _event_direct(self, key) -> None:
         """At a chunk event: deliver the values due, and wake a body whose value has passed."""
@@ -108,11 +108,11 @@ class DirectSteps:
             body = self.marks.get(key)
             if body is not None:
                 self._wake(body)
-        except _Abort:
+        except Abort:
             raise
         except BaseException as exc:  # a body's, or a delivery's: as in _hand_direct
             self.body_error = exc
-            raise _Abort() from None
+            raise Abort() from None
 
     def _wake(self, body) -> None:
         runners = self.runners

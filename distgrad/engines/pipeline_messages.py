@@ -34,7 +34,7 @@ import struct
 import torch
 
 from ..errors import OutOfOrderError
-from .collective import _CODE, _DTYPES
+from .collective import DTYPE_CODE, DTYPES
 from .pipeline_checks import RequestChecks
 
 _string_at = ctypes.string_at  # the bytes at an address: one copy, nothing else made
@@ -48,14 +48,14 @@ _HEAD = struct.Struct("<2q").pack  # a batch's total bytes and its number of val
 _SPARE: list = []  # receive buffers whose batches are unpacked, for the next receives
 
 
-_MOST_MICROBATCHES = 4096  # per step: keeps every batch's tag below the check's (_CHECK)
+MOST_MICROBATCHES = 4096  # per step: keeps every batch's tag below the check's (_CHECK)
 
 
 def _tag(key, part: int) -> int:
     """The message tag of batch ``key``: ``"end"`` or ``(phase, receiving stage, microbatch)``."""
     if key == "end":
         return 4 + part
-    return 2 * (3 + 2 * (key[1] * _MOST_MICROBATCHES + key[2]) + (key[0] == "B")) + part
+    return 2 * (3 + 2 * (key[1] * MOST_MICROBATCHES + key[2]) + (key[0] == "B")) + part
 
 
 class Messages(RequestChecks):
@@ -70,7 +70,7 @@ class Messages(RequestChecks):
         self.swapped: list = []   # (stage record, its own buffer) while ours stands in
         # What went and came on the channel, by peer: compared across ranks when the step ends
         self.sent_to: dict = {}   # dst -> [tags of batches sent]
-        self.rank, self.world = engine._job_rank, engine._job_world
+        self.rank, self.world = engine.job_rank, engine.job_world
         self.told = False         # whether this rank's sends are in the store (see _agree)
         self.outbox: dict = {}    # key -> {dst: [(tag, copy of the value)]}
         self.sent: set = set()    # keys whose batches are going (no value may join them)
@@ -294,7 +294,7 @@ def _entry(value: torch.Tensor, tag: int) -> tuple:
     nbytes = len(raw)
     if nbytes % _ALIGN:
         raw += bytes(_ALIGN - nbytes % _ALIGN)
-    return (_META_BYTES(tag, _CODE[value.dtype], int(value.requires_grad), ndim, *shape,
+    return (_META_BYTES(tag, DTYPE_CODE[value.dtype], int(value.requires_grad), ndim, *shape,
                         *_ZEROS[ndim], nbytes), raw)
 
 
@@ -330,7 +330,7 @@ def _values(view: memoryview, count: int, device: torch.device) -> list:
     for i in range(count):
         tag, code, grad, ndim, *rest = meta[_META * i: _META * (i + 1)]
         shape, nbytes = rest[:ndim], rest[-1]
-        dtype = _DTYPES[code]
+        dtype = DTYPES[code]
         if not nbytes:
             data = torch.empty(shape, dtype=dtype)
         elif on_host and not grad:  # a copy of its own: the bytes copied without a torch call

@@ -17,7 +17,7 @@ from ..run import BodyRunners
 from ..session import BODIES, Body, Session
 from .pipeline import LossPoint, PipelineEngine, joined
 from .pipeline_direct import DirectSteps
-from .pipeline_messages import _MOST_MICROBATCHES, Messages
+from .pipeline_messages import MOST_MICROBATCHES, Messages
 from .pipeline_requests import BodyRequests
 
 
@@ -36,7 +36,7 @@ class PipelineRun(BodyRequests, DirectSteps):
         self.in_backward = None   # the stage of this rank whose backward chunk is running
         self.mine = engine.my_stages
         self.others = [(r, stages) for r, stages in engine.stages_of_rank.items()
-                       if r != engine._job_rank]
+                       if r != engine.job_rank]
         self.session = None
         self.marks: dict = {}     # event key -> the body whose local value has passed by then
         self.direct = False       # the step on this stack, bodies woken by hooks (DirectSteps)
@@ -46,9 +46,9 @@ class PipelineRun(BodyRequests, DirectSteps):
         engine, trace = self.engine, self.trace
         args, kwargs = trace.raw_inputs
         n = engine.microbatches()
-        if n > _MOST_MICROBATCHES:
+        if n > MOST_MICROBATCHES:
             raise NotImplementedError(f"distgrad runs pipeline steps of at most "
-                                      f"{_MOST_MICROBATCHES} microbatches, not {n}.")
+                                      f"{MOST_MICROBATCHES} microbatches, not {n}.")
         scheduler = greenlet.getcurrent()
         bodies = [Body(trace, index=m, scheduler=scheduler) for m in range(n)]
         for body in bodies:

@@ -31,20 +31,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
+from ..torch_internals import closure_cells, forward_hooks, forward_pre_hooks, pytree, version
 from .distributed import DistributedEngine
 from .fsdp2 import ShardedParam
 
 
 # -- reading the plan back from the hooks ----------------------------------------------------
-def _cells(hook) -> dict:
-    code = getattr(hook, "__code__", None)
-    if code is None or not hook.__closure__:
-        return {}
-    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, hook.__closure__)}
-
-
 def _style(fn) -> str:
     func = getattr(fn, "func", fn)
     return getattr(func, "__qualname__", "").split(".")[0]
@@ -55,15 +48,15 @@ def _output_placement(module):
     (mesh, None) when it returns replicated values or DTensors, or None if not parallelized."""
     mesh, placement, parallel = None, None, False
     seq_dim = None
-    for hook in module._forward_pre_hooks.values():
-        cells = _cells(hook)
+    for hook in forward_pre_hooks(module).values():
+        cells = closure_cells(hook)
         if "device_mesh" in cells and ("input_fn" in cells or "self" in cells):
             mesh, parallel = cells["device_mesh"], True
             fn = cells.get("input_fn")
             if fn is not None and _style(fn) == "SequenceParallel":
                 seq_dim = fn.args[0][0]
-    for hook in module._forward_hooks.values():
-        cells = _cells(hook)
+    for hook in forward_hooks(module).values():
+        cells = closure_cells(hook)
         if "device_mesh" not in cells:
             continue
         mesh, parallel = cells["device_mesh"], True
@@ -177,7 +170,7 @@ class TensorParallelViews:
             else:
                 continue
             shown[i] = whole
-            converted.append((i, whole, whole._version, split))
+            converted.append((i, whole, version(whole), split))
             self.sources[id(whole)] = (whole, leaf, split)
         if not converted:
             return value, None
@@ -188,7 +181,7 @@ class TensorParallelViews:
         body changed nothing)."""
         spec, leaves, converted, label = token
         if reply is None:  # edited in place, if at all
-            if all(whole._version == version for _, whole, version, _ in converted):
+            if all(version(whole) == seen for _, whole, seen, _ in converted):
                 return None
             new_leaves = list(leaves)
             for i, whole, _, _ in converted:
@@ -279,7 +272,7 @@ def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
     """The engine for a model ``parallelize_module`` touched: tensor parallel alone, or under
     FSDP2 / DDP on the other dimension of a 2-D mesh (saves are gathered over that one)."""
     from torch.nn.parallel import DistributedDataParallel
-    from . import _is_fully_sharded
+    from . import is_fully_sharded
     model = obj.module if isinstance(obj, DistributedDataParallel) else obj
     named = {}
     for name, dim in (shards or {}).items():
@@ -293,7 +286,7 @@ def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
     if isinstance(obj, DistributedDataParallel):
         from .ddp import DDPEngine
         engine = DDPEngine(obj)
-    elif _is_fully_sharded(obj):
+    elif is_fully_sharded(obj):
         from .fsdp2 import FSDP2Engine
         engine = FSDP2Engine(obj, group=_data_group(obj, views.mesh))
     else:

@@ -1,0 +1,118 @@
+"""Rules of the code base that a reader relies on, checked on the source of distgrad/:
+every private PyTorch internal is reached through distgrad/torch_internals.py (one place to
+audit when torch changes), and no underscore name is imported from another module."""
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "distgrad"
+
+# Private attributes of torch objects that distgrad reads or writes.
+TORCH_PRIVATE_ATTRS = {
+    "_backward_hooks", "_forward_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+    "_register_hook_dict", "next_id", "_version", "_base", "_modules", "_get_default_store",
+    "_allgather_base", "_orig_mod", "_maybe_compute_loss", "_internal_losses",
+    "_n_microbatches", "_stage", "_stages", "__closure__", "pythonapi",
+}
+
+# Hot paths that read the attribute inline, each under a comment naming its torch_internals
+# entry: a function call there would cost every read (benchmarks/bytecodes.py counts it).
+INLINE_HOT_PATHS = {
+    ("points.py", "ModulePoint.arm"), ("points.py", "ModulePoint.remove"),
+    ("generator_run.py", "GeneratorDriver.grad"),
+    ("session.py", "Stop.__init__"), ("session.py", "Stop.edited"), ("session.py", "Session.request_solo"),
+    ("generator_session.py", "GeneratorSession._grad_ready"),
+}
+
+
+def _torch_internal_uses(tree):
+    """(line, enclosing function's qualified name and first line, what) for each torch
+    internal touched."""
+    found = []
+
+    def visit(node, scope, start):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            scope, start = (f"{scope}.{node.name}" if scope else node.name), node.lineno
+        what = None
+        if isinstance(node, ast.Attribute):
+            if node.attr in TORCH_PRIVATE_ATTRS:
+                what = node.attr
+            elif (node.attr.startswith("_") and not node.attr.startswith("__")
+                  and ast.unparse(node).startswith("torch.")):
+                found.append((node.lineno, scope, start, ast.unparse(node)))
+                return  # (torch._C._x: one use, not two)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in TORCH_PRIVATE_ATTRS or node.value.startswith("torch._"):
+                what = repr(node.value)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            parts = node.module.split(".") + [alias.name for alias in node.names]
+            if any(part.startswith("_") for part in parts):
+                what = f"from {node.module} import ..."
+        if what is not None:
+            found.append((node.lineno, scope, start, what))
+        for child in ast.iter_child_nodes(node):
+            visit(child, scope, start)
+
+    visit(tree, "", 1)
+    return found
+
+
+def _sources():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path, ast.parse(path.read_text(), str(path))
+
+
+def test_torch_internals_are_reached_through_one_module():
+    outside = []
+    for path, tree in _sources():
+        if path.name == "torch_internals.py":
+            continue
+        for line, scope, _, what in _torch_internal_uses(tree):
+            if (path.name, scope) not in INLINE_HOT_PATHS:
+                outside.append(f"{path.relative_to(PACKAGE)}:{line} ({scope}): {what}")
+    assert not outside, "torch internals outside torch_internals.py:\n" + "\n".join(outside)
+
+
+def test_inline_hot_paths_name_their_entry():
+    """Each hot path that reads a torch internal inline says which torch_internals entry it
+    copies, so that an audit of that entry finds the copy."""
+    for path, tree in _sources():
+        lines = path.read_text().splitlines()
+        for line, scope, start, what in _torch_internal_uses(tree):
+            if (path.name, scope) in INLINE_HOT_PATHS:
+                above = "\n".join(lines[start - 1:line])
+                assert "torch_internals." in above, f"{path.name}:{line} ({scope}): {what}"
+
+
+def test_the_checks_see_what_they_look_for():
+    uses = _torch_internal_uses(ast.parse(
+        "def f(t, m):\n"
+        "    t._backward_hooks\n"
+        "    torch._C._set_grad_enabled(False)\n"
+        "    getattr(m, '_stages', None)\n"
+        "from torch.utils import _pytree\n"))
+    assert [(line, scope) for line, scope, _, _ in uses] == [(2, "f"), (3, "f"), (4, "f"), (5, "")]
+
+
+def test_no_underscore_name_is_imported_across_modules():
+    crossing = []
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                crossing += [f"{path.relative_to(PACKAGE)}:{node.lineno}: {alias.name}"
+                             for alias in node.names if alias.name.startswith("_")]
+    assert not crossing, "underscore names imported from other modules:\n" + "\n".join(crossing)
+
+
+def test_no_underscore_name_is_read_from_another_module():
+    """``from . import capture`` then ``capture._helper``: the same crossing, by attribute."""
+    crossing = []
+    for path, tree in _sources():
+        modules = {alias.asname or alias.name for node in ast.walk(tree)
+                   if isinstance(node, ast.ImportFrom) and node.level > 0 and not node.module
+                   for alias in node.names}
+        crossing += [f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}"
+                     for node in ast.walk(tree)
+                     if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                     and not node.attr.startswith("__")
+                     and isinstance(node.value, ast.Name) and node.value.id in modules]
+    assert not crossing, "underscore names read from other modules:\n" + "\n".join(crossing)

@@ -15,33 +15,7 @@ import torch
 
 import distgrad
 from conftest import TEXT
-
-
-def cyclic_garbage(step, times: int = 3) -> list:
-    """What ``times`` calls of ``step`` leave that only the cycle collector frees."""
-    step()  # first-use caches (compiled bodies, kept points) are not garbage
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        for _ in range(times):
-            step()
-        gc.collect()
-        found = list(gc.garbage)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        if was_enabled:
-            gc.enable()
-    return found
-
-
-def describe(found: list) -> str:
-    kinds = {}
-    for obj in found:
-        kinds[type(obj).__name__] = kinds.get(type(obj).__name__, 0) + 1
-    return ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+from dist.dp_leaks import cyclic_garbage, describe, kinds  # tests/dist: shared with the jobs
 
 
 def readme_step(model):
@@ -58,7 +32,7 @@ def readme_step(model):
 def test_readme_program_leaves_no_cycles(gpt2, tokenizer):
     model = distgrad.wrap(gpt2, tokenizer=tokenizer)
     found = cyclic_garbage(lambda: readme_step(model))
-    assert not found, describe(found)
+    assert not found, describe(kinds(found))
 
 
 @pytest.mark.usefixtures("backward_mode")
@@ -85,7 +59,7 @@ def test_errors_in_the_body_leave_no_cycles(gpt2, tokenizer, where):
             raise AssertionError("the body's error was not raised")
 
     found = cyclic_garbage(failing_step)
-    assert not found, describe(found)
+    assert not found, describe(kinds(found))
     readme_step(model)  # and the next trace works
 
 
@@ -105,7 +79,7 @@ def test_invokes_leave_no_cycles(gpt2, tokenizer):
         return h, g, h2
 
     found = cyclic_garbage(step)
-    assert not found, describe(found)
+    assert not found, describe(kinds(found))
 
 
 @pytest.mark.usefixtures("backward_mode")

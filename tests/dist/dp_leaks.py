@@ -16,8 +16,8 @@ MODES = [("auto", "auto"), ("greenlet", "greenlet"), ("thread", "greenlet")]
 
 
 def cyclic_garbage(step, times: int = 3) -> list:
-    """What ``times`` calls of ``step`` leave that only the cycle collector frees (as in
-    tests/test_leaks.py, which the jobs cannot import: it needs pytest's conftest)."""
+    """What ``times`` calls of ``step`` leave that only the cycle collector frees (also used by
+    tests/test_leaks.py)."""
     step()  # first-use caches (compiled bodies, kept points) are not garbage
     gc.collect()
     was_enabled = gc.isenabled()

@@ -68,7 +68,8 @@ _idle = threading.local()
 _getcurrent = greenlet.getcurrent
 
 
-def _runner(fn):
+def _runner():
+    fn = greenlet.getcurrent().parent.switch()  # started empty: see _take_runner
     while True:
         outcome = outcome_of(fn)
         fn = None  # the finished run's function (its inputs, a backward's graph) dies with it
@@ -79,7 +80,14 @@ def _take_runner() -> greenlet.greenlet:
     pool = getattr(_idle, "runners", None)
     if pool is None:
         pool = _idle.runners = []
-    return pool.pop() if pool else greenlet.greenlet(_runner)
+    if pool:
+        return pool.pop()
+    # Started here with no arguments, to wait for its first run's function like an idle one:
+    # a greenlet keeps the arguments it was started with for as long as it lives, and in the
+    # pool that would keep its first run's function (the model, the inputs) alive.
+    glet = greenlet.greenlet(_runner)
+    glet.switch()
+    return glet
 
 
 _MOST_IDLE = 64  # idle runners a thread keeps (a trace with more invokes makes the rest anew)

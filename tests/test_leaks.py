@@ -8,6 +8,7 @@ in every body mode, after errors in the body, and with invokes; ``tests/dist/job
 (``case_no_cycles``) checks the same under DDP.
 """
 import gc
+import threading
 import weakref
 
 import pytest
@@ -108,3 +109,40 @@ def test_saved_values_die_with_the_users_names(gpt2, tokenizer):
     finally:
         if was_enabled:
             gc.enable()
+
+
+@pytest.mark.usefixtures("backward_mode")
+@pytest.mark.parametrize("where", ["nowhere", "forward", "backward"])
+def test_the_model_dies_with_the_users_names(where):
+    """After a trace (ending well or with an error in the body), nothing of distgrad keeps the
+    model or its inputs: the runs' greenlets and threads, pooled for the next trace, hold none
+    of them. In a thread of its own, so that its pool of runners is new and checked while it
+    lives."""
+    alive = []
+
+    def user():
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+        model = distgrad.wrap(net)
+        x = torch.randn(2, 4)
+        h = loss = g = None
+        try:
+            with model.trace(x):
+                h = model[0].output
+                if where == "forward":
+                    raise ValueError
+                loss = model.output.sum()
+                with loss.backward():
+                    g = h.grad.save()
+                    if where == "backward":
+                        raise ValueError
+        except ValueError:
+            pass
+        net_ref, x_ref = weakref.ref(net), weakref.ref(x)
+        del model, net, x, h, loss, g
+        gc.collect()
+        alive.extend(name for name, ref in [("model", net_ref), ("inputs", x_ref)] if ref())
+
+    thread = threading.Thread(target=user)
+    thread.start()
+    thread.join()
+    assert alive == []

@@ -147,7 +147,7 @@ class Agreement:
                         f"{count} and waits in another collective, so its body did not make this "
                         f"one)."))
 
-        self.engine.wait_in_slices(work, after_slice)
+        self.engine.wait_in_slices(work, self.group, after_slice)
 
     def _give_up(self, error: Exception):
         """Raise ``error``, once the peers' watchers have read it: they hear of it only when

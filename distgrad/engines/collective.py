@@ -138,7 +138,7 @@ class Exchange:
                 self._bound = tensors, pack.block
                 for tensor, value in zip(tensors, early[1]):
                     tensor.data = value
-            self._wait(work)
+            self._wait(work, self.group)
             heads = heads.tolist()  # every rank's header
             if expect and heads == steady:  # as expected: nothing to check, nothing to plan
                 self._last, self._prev, self._steady = last, prev, steady
@@ -204,7 +204,7 @@ class Exchange:
         return cached[1:]
 
 
-def _plain_wait(work) -> None:
+def _plain_wait(work, group) -> None:
     work.wait()
 
 

@@ -22,6 +22,7 @@ After a failure the process group is gone on every rank: guard teardown with
 from __future__ import annotations
 
 import atexit
+import ctypes
 import threading
 import time
 import weakref
@@ -116,20 +117,26 @@ class DistributedEngine(Engine):
         finally:
             self._watch.active.clear()
 
-    def wait_in_slices(self, work, after_slice=lambda: None) -> None:
-        """Wait for a collective on one of distgrad's groups in slices of ``failure_timeout``
-        seconds, reading the failure key after each slice, then calling ``after_slice``. (A
-        timed wait on a collective closes nothing; on a gloo receive it would close the whole
-        group: see ``pipeline_messages.py``.)"""
-        while True:
-            try:
-                if work.wait(timedelta(seconds=config.failure_timeout)):
-                    return
-            except RuntimeError as exc:
-                if "timed out" not in str(exc).lower():
-                    raise
-            self.check_failure()
-            after_slice()
+    def wait_in_slices(self, work, group, after_slice=lambda: None) -> None:
+        """Wait for a collective on ``group`` in slices of ``failure_timeout`` seconds, reading
+        the failure key after each slice, then calling ``after_slice``. (A timed wait on a
+        collective closes nothing; on a gloo receive it would close the whole group: see
+        ``pipeline_messages.py``.) Leaving with the collective still pending keeps ``group``
+        for the life of the process (``_keep_for_life``)."""
+        try:
+            while True:
+                try:
+                    if work.wait(timedelta(seconds=config.failure_timeout)):
+                        return
+                except RuntimeError as exc:
+                    if "timed out" not in str(exc).lower():
+                        raise
+                self.check_failure()
+                after_slice()
+        except BaseException:
+            if not work.is_completed():
+                _keep_for_life(group)
+            raise
 
     def check_failure(self) -> None:
         """Raise, as a broken connection would, if a rank has failed in this trace."""
@@ -276,6 +283,16 @@ def _is_comm_error(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, RuntimeError) and ("gloo" in text or "NCCL" in text or
                                                 "Connection closed" in text or "Read error" in text)
+
+
+def _keep_for_life(group) -> None:
+    """Never free ``group``: a collective this rank gave up on still blocks one of its worker
+    threads, until the peers' connections close - which, for a peer that waits for this rank,
+    happens only when this process has ended. A gloo group's destructor joins its workers, so
+    freeing the group (when the engine that holds it is collected, at the latest at exit) would
+    hang the process. A list is not enough (module globals are cleared at exit): the reference
+    is taken in C. One group per failure, in a job that has failed."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def _store():

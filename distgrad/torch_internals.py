@@ -180,3 +180,9 @@ def locals_to_fast(frame) -> None:
     fast locals before Python 3.13, so names a trace body saved reach the code after the
     ``with`` block."""
     ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+
+
+def never_free(obj) -> None:
+    """Take a reference to ``obj`` that nothing gives back: it lives until the process ends
+    (module globals are cleared at exit, so a list would not do)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))

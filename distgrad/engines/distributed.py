@@ -22,7 +22,6 @@ After a failure the process group is gone on every rank: guard teardown with
 from __future__ import annotations
 
 import atexit
-import ctypes
 import threading
 import time
 import weakref
@@ -35,7 +34,7 @@ from ..config import config
 from ..errors import RankFailedError
 from ..saving import LabelledSaves
 from ..session import current_body
-from ..torch_internals import default_store
+from ..torch_internals import default_store, never_free
 from . import collective
 from .agreement import Agreement, asked, where
 from .base import Engine
@@ -122,7 +121,7 @@ class DistributedEngine(Engine):
         the failure key after each slice, then calling ``after_slice``. (A timed wait on a
         collective closes nothing; on a gloo receive it would close the whole group: see
         ``pipeline_messages.py``.) Leaving with the collective still pending keeps ``group``
-        for the life of the process (``_keep_for_life``)."""
+        for the life of the process (``keep_for_life``)."""
         try:
             while True:
                 try:
@@ -135,7 +134,7 @@ class DistributedEngine(Engine):
                 after_slice()
         except BaseException:
             if not work.is_completed():
-                _keep_for_life(group)
+                keep_for_life(group)
             raise
 
     def check_failure(self) -> None:
@@ -285,14 +284,13 @@ def _is_comm_error(error: BaseException) -> bool:
                                                 "Connection closed" in text or "Read error" in text)
 
 
-def _keep_for_life(group) -> None:
+def keep_for_life(group) -> None:
     """Never free ``group``: a collective this rank gave up on still blocks one of its worker
     threads, until the peers' connections close - which, for a peer that waits for this rank,
     happens only when this process has ended. A gloo group's destructor joins its workers, so
     freeing the group (when the engine that holds it is collected, at the latest at exit) would
-    hang the process. A list is not enough (module globals are cleared at exit): the reference
-    is taken in C. One group per failure, in a job that has failed."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    hang the process. One group per failure, in a job that has failed."""
+    never_free(group)
 
 
 def _store():

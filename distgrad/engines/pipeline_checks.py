@@ -26,7 +26,6 @@ import torch
 from ..config import config
 from ..errors import TraceStateError
 from .agreement import ask
-from .helper_waits import wait_on_a_helper
 
 
 class RequestChecks:
@@ -113,36 +112,25 @@ class RequestChecks:
     def _wait_agreeing(self, theirs: torch.Tensor, work) -> None:
         """Wait for a peer's numbers of the end-of-step check, reading the failure key every
         ``failure_timeout`` seconds; after the first slice, publish this rank's sends for a
-        peer that waits for a batch none is coming of. Until their first number lands this
-        polls the buffer, with sleeps of at most 0.2 ms, rather than hand the receive to a
-        helper thread: a thread left blocked in a gloo receive when a failure ends the job can
-        abort the process at exit ("terminate called without an active exception")."""
-        first = theirs.numpy()
-        if first[0] == -1:
-            pause, slice_ends = 0.00005, time.monotonic() + config.failure_timeout
-            while first[0] == -1:
-                time.sleep(pause)
-                pause = min(pause * 2, 0.0002)
-                if time.monotonic() > slice_ends:
-                    self.engine.check_failure()
-                    if not self.told:
-                        self.told = True
-                        self._publish(self.engine.store, "*")  # every batch has gone
-                    slice_ends = time.monotonic() + config.failure_timeout
+        peer that waits for a batch none is coming of."""
+        def after_slice():
+            self.engine.check_failure()
+            if not self.told:
+                self.told = True
+                self._publish(self.engine.store, "*")  # every batch has gone
+
+        _wait_landing(theirs.numpy(), after_slice)
         work.wait()  # landed, or landing: nothing can stop it now
 
     def _wait_for_batch(self, buf: torch.Tensor, work, src: int, key, tag: int) -> None:
         """Wait for ``src``'s batch ``key`` (first message tagged ``tag``) to land in ``buf``,
         giving up if ``src`` has let its moment pass without sending it, or if a rank failed."""
-        if int(buf[:8].view(torch.int64)) != -1:  # it is arriving: nothing can stop it now
-            work.wait()
-            return
-        done, failed = wait_on_a_helper(work)
-        asked = False
-        while not done.wait(config.failure_timeout):
+        asked = []
+
+        def after_slice():
             self.engine.check_failure()
             if not asked:  # src's failure watcher then says what src has sent (publish_state)
-                asked = True
+                asked.append(True)
                 ask(self.engine.store, self.engine.running)
             published = self._published(src)
             if published is not None and tag not in published[0] and (
@@ -150,8 +138,29 @@ class RequestChecks:
                 raise TraceStateError(
                     _MISMATCH + f"this rank, {self.rank}, waits for values of batch {key} "
                     f"that rank {src} did not send: its body did not ask for them).")
-        if failed:
-            raise failed[0]
+
+        _wait_landing(buf[:8].view(torch.int64).numpy(), after_slice)
+        work.wait()  # landed, or landing: nothing can stop it now
+
+
+def _wait_landing(head, after_slice) -> None:
+    """Return once ``head[0]`` (a receive buffer's first number, -1 until it lands) has landed,
+    calling ``after_slice`` (which may raise) every ``failure_timeout`` seconds until then.
+
+    The receive is polled, with sleeps of at most 0.2 ms, rather than waited for: a timed wait
+    on a gloo receive closes the group when it expires, and a receive handed to a helper thread
+    that this rank gives up on can complete while the interpreter exits (a peer's connection
+    closes), when the thread cannot take the GIL back: the process aborts ("terminate called
+    without an active exception")."""
+    if head[0] != -1:
+        return
+    pause, slice_ends = 0.00005, time.monotonic() + config.failure_timeout
+    while head[0] == -1:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.0002)
+        if time.monotonic() > slice_ends:
+            after_slice()
+            slice_ends = time.monotonic() + config.failure_timeout
 
 
 _CHECK = 1 << 24  # the end-of-step check's tag, apart from every batch's (_tag)

@@ -21,10 +21,9 @@ every rank runs the same body, so both sides name the same batch.
 
 A receive is never waited for with a timeout: when a timed gloo receive expires, gloo closes
 every connection of the group, so a peer that is merely slow (a long stage) would break the job.
-A batch whose first bytes have landed is waited for in place; one that has not is waited for on
-a helper thread (``helper_waits.py``) while this one reads, every ``config.failure_timeout``
-seconds, the job's failure key and the peer's list of sends (``_wait_for_batch``, in
-``pipeline_checks.py``).
+A batch whose first bytes have landed is waited for in place; until they land, the buffer is
+polled, and every ``config.failure_timeout`` seconds the job's failure key and the peer's list of
+sends are read (``_wait_for_batch``, in ``pipeline_checks.py``).
 """
 from __future__ import annotations
 

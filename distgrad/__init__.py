@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from . import engines, patches
+from . import engines, gradpatch, patches
 from .backward import BackwardTracer
 from .config import config
 from .errors import NotSavedError, OutOfOrderError, RankFailedError, TraceStateError

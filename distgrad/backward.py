@@ -18,10 +18,12 @@ from typing import Any, Callable
 import greenlet
 import torch
 
+from . import patches
 from .checkpointing import no_grad_message, read_without_grad
 from .config import config
 from .errors import TraceStateError
 from .points import GradPoint
+from .requests import Requests
 from .session import BODIES, UNSET, Body, Session, current_body
 from .torch_internals import TENSOR_MODULE_FILE
 
@@ -58,10 +60,8 @@ class BackwardTracer:
     # -- the with-block -------------------------------------------------------------------
     def __enter__(self) -> "BackwardTracer":
         body = current_body()
-        if body is not None and body.trace is not None and body.trace.method == "generate":
-            raise NotImplementedError(
-                "a backward block cannot be opened in a model.generate() trace: generate() runs "
-                "under torch.no_grad(), so there is no graph. Use model.trace(...) for gradients.")
+        if body is not None and body.requests.backward_refused:
+            raise NotImplementedError(body.requests.backward_refused)
         if not self.tensor.requires_grad:
             raise NotImplementedError(
                 "`with loss.backward():` over a tensor that does not require grad: the forward "
@@ -72,28 +72,13 @@ class BackwardTracer:
             raise TraceStateError("a backward block is already open in this body; close it "
                                   "before opening another.")
         if body is None:  # a block outside any trace
-            from .patches import keep_on_top  # (patches imports this module)
-            keep_on_top()
-            body = Body(None)
+            patches.keep_on_top()
+            body = Body(OUTSIDE)
             BODIES[greenlet.getcurrent()] = body
             self._own_body = True
         self._body = body
         try:
-            if body.trace is not None:
-                if self.backend is None:
-                    self.backend = body.trace.engine
-                if body.scheduler is not None:  # an invoke body: the scheduler runs one backward
-                    body.trace.invoke_backward(body, self)
-                    body.block = self
-                    return self
-                body.trace.finish_forward()
-            if body.driver is not None:  # a body run as a generator (generator_run.py)
-                from .generator_session import GeneratorSession
-                self.session = GeneratorSession("backward", self._run, [body], body.driver)
-            else:
-                self.session = Session("backward", self._run, [body],
-                                       threaded=backward_threaded(self.tensor),
-                                       views=getattr(self.backend, "views", None))
+            body.requests.open_backward(body, self)
         except BaseException:
             self._leave()
             raise
@@ -103,18 +88,8 @@ class BackwardTracer:
     def __exit__(self, exc_type, exc, tb):
         body = self._body
         try:
-            if body.scheduler is not None and self.session is None:
-                if exc is None:
-                    body.trace.invoke_backward_done(body, self)
-            elif exc is None:
-                self.session.finish()
-            else:
-                self.session.abort()
+            body.requests.close_backward(body, self, exc)
         finally:
-            if self.session is not None and body.scheduler is None:
-                if not self.session.finished:
-                    self.session.abort()
-                self.session.close()
             body.block = None
             self._leave()
         return False
@@ -124,7 +99,8 @@ class BackwardTracer:
             BODIES.pop(greenlet.getcurrent(), None)
             self._own_body = False
 
-    def _run(self):
+    def run(self):
+        """The backward itself: the engine's, or plain ``fn`` outside a trace."""
         if self.backend is not None:
             return self.backend.backward(self.tensor, self.fn, self.args, self.kwargs)
         return self.fn(self.tensor, *self.args, **self.kwargs)
@@ -175,6 +151,9 @@ class BackwardAttribute:
         if self.defers and (not BODIES or BODIES.get(greenlet.getcurrent()) is None):
             return self.previous.__get__(tensor, owner)
         return types.MethodType(self.function, tensor)
+
+
+patches.register("backward", BackwardAttribute)
 
 
 def _is_torch_backward(function) -> bool:
@@ -234,7 +213,7 @@ def refuse_outside_block(body: Body, tensor: torch.Tensor) -> None:
 
 
 def write_grad(body: Body, tensor: torch.Tensor, value) -> None:
-    grad_stop(body, tensor).replace(value, lambda: body.label_of(tensor) + ".grad")
+    body.requests.grad(body, tensor).replace(value, lambda: body.label_of(tensor) + ".grad")
 
 
 def grad_stop(body: Body, tensor: torch.Tensor):
@@ -242,8 +221,6 @@ def grad_stop(body: Body, tensor: torch.Tensor):
     (the ``.grad`` property) have found that the body is not already at that gradient."""
     block = body.block
     session = block.session
-    if session is None:
-        return body.trace.invoke_grad(body, tensor)
     if session.solo:  # one body, whole values: the rest of this function, short
         if not tensor.requires_grad:
             raise _no_grad_flows(body, tensor)
@@ -317,3 +294,32 @@ def _reaches(start, tensor) -> bool:
         seen.add(id(fn))
         todo.extend(f for f, _ in fn.next_functions)
     return False
+
+
+class Outside(Requests):
+    """The requests of a backward block opened outside any trace: its gradients only."""
+
+    def open_backward(self, body, block) -> None:
+        block.session = Session("backward", block.run, [body],
+                                threaded=backward_threaded(block.tensor))
+
+    grad = staticmethod(grad_stop)
+
+    def close_backward(self, body, block, error) -> None:
+        close_session(block.session, error)
+
+
+def close_session(session: Session, error) -> None:
+    """End a backward block's session: finish it, or abort it on ``error``; close it."""
+    try:
+        if error is None:
+            session.finish()
+        else:
+            session.abort()
+    finally:
+        if not session.finished:
+            session.abort()
+        session.close()
+
+
+OUTSIDE = Outside()

@@ -39,7 +39,7 @@ class Envoy:
         object.__setattr__(self, "_call", call)
         object.__setattr__(self, "_parent", parent)
         object.__setattr__(self, "_local", False)
-        object.__setattr__(self, "_kept", None)  # points kept between traces (trace._new_point)
+        object.__setattr__(self, "_kept", None)  # points kept between traces (InPlace._new_point)
 
     def _ancestors(self):
         envoy = self._parent
@@ -81,7 +81,7 @@ class Envoy:
         """The envoy of a module that ``getattr`` found but that is not a child of this one
         (``PeftModel`` and ``OptimizedModule`` pass lookups on to the model inside). It keeps
         the name the user wrote, and its parent is the envoy of the module that really holds
-        it, so that the enclosing modules a trace watches (trace._new_point) are the real ones."""
+        it, so that the enclosing modules a trace watches (InPlace._new_point) are the real ones."""
         root = self
         while root._parent is not None:
             root = root._parent
@@ -160,10 +160,10 @@ class Envoy:
     # -- values ---------------------------------------------------------------------------
     def _stop(self, kind: str):
         body = current_body()
-        if body is None or body.trace is None:
+        if body is None:
             raise TraceStateError(f"{self._path}.{kind} can only be used inside "
                                   "`with model.trace(...):`.")
-        return body, body.trace.stop_at(body, self, kind)
+        return body, body.requests.module_value(body, self, kind)
 
     @property
     def output(self):
@@ -171,9 +171,9 @@ class Envoy:
         Assign to replace it for everything downstream."""
         # _stop("output") and remember() written out: this is the most used read
         body = BODIES.get(_getcurrent()) if BODIES else None
-        if body is None or body.trace is None:
+        if body is None:
             self._stop("output")  # raises
-        stop = body.trace.stop_at(body, self, "output")
+        stop = body.requests.module_value(body, self, "output")
         value = stop.replacement
         if value is UNSET:
             value = stop.view

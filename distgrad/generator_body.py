@@ -116,8 +116,8 @@ def start(plan: Plan, frame, namespace: dict, driver):
     """A new generator of ``plan``'s body, with the frame's globals and its locals' values."""
     fn = types.FunctionType(plan.code, frame.f_globals)
     out: dict = {}
-    return fn(out, namespace, PAUSED, driver.leave, driver.ready, driver.body, driver.output,
-              driver.grad, driver.set_grad, driver.save), out
+    return fn(out, namespace, PAUSED, driver.leave, driver.ready, driver.body, driver.read_output,
+              driver.read_grad, driver.set_grad, driver.save), out
 
 
 # -- the rewrite ---------------------------------------------------------------------------

@@ -32,10 +32,13 @@ import greenlet
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from . import capture, generator_body
 from .backward import grad_passed, grad_stop
 from .envoy import Envoy
 from .errors import TraceStateError, check_replacement_grad
+from .generator_session import GeneratorSession
 from .gradpatch import served
+from .in_place import InPlace
 from .paused import FAST_PATH_HELP, LEAVE, PAUSE_STOP, PAUSED
 from .session import UNSET, passed_error
 
@@ -44,11 +47,18 @@ _Tensor = torch.Tensor
 _GRAD_KEY = (None, None)  # a gradient stop's key: driver.grad's stops need none
 
 
-class GeneratorDriver:
-    """Runs one trace body's generator: starts the runs it waits for, resumes it after each."""
+class GeneratorDriver(InPlace):
+    """The requests of a trace body run as a generator: runs the body's generator, starting
+    the runs it waits for (``GeneratorSession``: called on this stack) and resuming it after
+    each. ``plan``: the rewritten body (``generator_body.Plan``); ``body``: the trace's Body,
+    once the body runs."""
 
-    def __init__(self, body):
-        self.body = body
+    mode = "generator"
+
+    def __init__(self, trace, plan):
+        super().__init__(trace)
+        self.plan = plan
+        self.body = None
         self.gen = self.send = None
         self.glet = _getcurrent()
         self.inside = None    # the session whose run is on the stack, if any
@@ -79,12 +89,12 @@ class GeneratorDriver:
     # leaving the stop the body was at, inline (a call layer costs far more than its
     # bytecodes suggest, and these run once per value). Anything else, errors included, goes
     # through the property, which does the same in general.
-    def output(self, envoy):
+    def read_output(self, envoy):
         """``envoy.output`` in the body: a plain envoy whose point is kept between traces."""
         if envoy.__class__ is not Envoy:
             return envoy.output
         body = self.body
-        session = body.trace.forward
+        session = self.forward
         if session is None or session.finished or body.block is not None:
             return envoy.output
         # The point this envoy keeps between traces (Trace._new_point made it), if this session
@@ -130,7 +140,7 @@ class GeneratorDriver:
         self.passed = point.passed
         return PAUSED
 
-    def grad(self, tensor):
+    def read_grad(self, tensor):
         """``tensor.grad`` in the body: at that gradient, or a graph tensor in an open block.
         Waiting for a gradient takes a one-shot tensor hook (``session.grad_ready``), not a
         GradPoint: a tensor's gradient arrives once per backward, so it needs no call count."""
@@ -217,6 +227,31 @@ class GeneratorDriver:
         return PAUSED if getattr(obj, attr) is PAUSED else None
 
     # -- the trace side -----------------------------------------------------------------
+    def open_session(self, bodies, args, kwargs):
+        if self.gen is None:  # after the body (it asked for nothing): a plain forward
+            return super().open_session(bodies, args, kwargs)
+        return GeneratorSession("forward", self.forward_call(args, kwargs), bodies, self)
+
+    def backward_session(self, body, block):
+        return GeneratorSession("backward", block.run, [body], self)
+
+    def run_rest(self) -> None:
+        """Run the skipped body as a generator, give its names back, finish the forward."""
+        plan, frame = self.plan, self.trace.frame
+        self.body = self.trace.body
+        gen, out = generator_body.start(plan, frame, frame.f_locals, self)
+        self.attach(gen)
+        try:
+            self.drive()
+        finally:
+            capture.write_back(frame, {name: out[name] for name in plan.names if name in out})
+            out.clear()  # the body's locals() also hold this dict itself: a cycle
+        self.finish_forward()
+
+    def close(self) -> None:
+        super().close()
+        self.body = self.plan = None
+
     def drive(self) -> None:
         """Run the body to its end, starting each run it waits for."""
         try:

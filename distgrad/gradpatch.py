@@ -20,7 +20,8 @@ from __future__ import annotations
 import greenlet
 import torch
 
-from .backward import grad_stop, refuse_outside_block, write_grad
+from . import patches
+from .backward import refuse_outside_block, write_grad
 from .errors import check_replacement_grad
 from .session import BODIES, UNSET
 from .torch_internals import PLAIN_GRAD
@@ -68,7 +69,7 @@ def make_property(previous) -> BodyGrad:
                 if ((tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter))
                         and not tensor.retains_grad):
                     if body.block is not None:
-                        stop = grad_stop(body, tensor)
+                        stop = body.requests.grad(body, tensor)
                         value = stop.replacement
                         return stop.view if value is UNSET else value
                     refuse_outside_block(body, tensor)
@@ -99,3 +100,6 @@ def make_grad(previous):
     """The body-aware ``grad`` property over ``previous`` (PyTorch's, when the class has none)."""
     return make_property(_PLAIN if previous is None else previous)
 
+
+
+patches.register("grad", make_grad)

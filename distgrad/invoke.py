@@ -21,7 +21,9 @@ import greenlet
 import torch
 
 from . import batching, capture
-from .errors import OutOfOrderError, TraceStateError
+from .backward import backward_threaded, grad_passed
+from .errors import TraceStateError
+from .in_place import InPlace
 from .run import BodyRunners
 from .session import BODIES, Body, Session
 
@@ -52,93 +54,137 @@ class Invoke:
         return True
 
 
-def run_invokes(trace) -> None:
-    invokes = trace.invokes
-    frame = invokes[0].frame
-    args, kwargs, rows = batching.join([inv.inputs for inv in invokes], trace.model._tokenizer)
-    scheduler = greenlet.getcurrent()
-    bodies = [Body(trace, rows=r, index=i, scheduler=scheduler) for i, r in enumerate(rows)]
-    trace.forward = trace.open_session(bodies, args, kwargs)
-    trace.forward.slices = trace.slices = {}
-    trace.backward = None
-    namespace = {**frame.f_globals, **frame.f_locals}
-    runners = BodyRunners({body: (lambda code=inv.code: exec(code, namespace))
-                           for inv, body in zip(invokes, bodies)}, BODIES)
-    try:
-        _schedule(trace, bodies, runners)
-    finally:
-        runners.close()
-        if trace.backward is not None:
-            if not trace.backward.finished:
-                trace.backward.abort()
-            trace.backward.close()
-        else:  # a backward after the trace fills them
-            fill_retained_grads(trace.slices)
-    saved = {id(entry[0]) for body in bodies for entry in body.saves}
-    trace.body.saves.extend(v for body in bodies for v in body.saves)
-    names = {}
-    for inv in invokes:
-        for name in inv.names:
-            if name in namespace:
-                value = namespace[name]
-                names[name] = value if id(value) in saved else capture.NotSaved(name)
-    capture.write_back(frame, names)
+class Invokes(InPlace):
+    """The requests of a trace with invokes: one forward over the joined batch, and one
+    backward over the sum of the bodies' losses, each body served its own rows."""
 
+    mode = "invokes"
 
-def _schedule(trace, bodies: list[Body], runners: BodyRunners) -> None:
-    wake = runners.wake
-    for body in bodies:
-        wake(body)
-    while runners.todo:
-        waiting = [b for b in bodies if runners.live(b)]
-        session = trace.backward if trace.forward.finished else trace.forward
-        if session is not None and not session.finished and any(
-                b.pending in session.wanted for b in waiting):
-            session.advance()
-            served = [b for b in waiting if b.stop is not None and b.pending is not None]
-            if session.finished:
-                served = [b for b in waiting if b.pending in session.wanted]
-            for body in served:
-                wake(body)
-            continue
-        if not trace.forward.finished:
-            trace.forward.finish()
-            continue
-        starting = [b for b in waiting if b.pending == _BACKWARD]
-        if starting and trace.backward is None:
-            trace.backward = _backward_session(trace, bodies)
-            for body in starting:
-                wake(body)
-            continue
-        if trace.backward is not None and not trace.backward.finished:
-            trace.backward.finish()
-            continue
-        done = [b for b in waiting if b.pending == _BACKWARD_DONE]
-        for body in (done or waiting):  # a body still waiting now waits for nothing that comes
+    def __init__(self, trace):
+        super().__init__(trace)
+        self.backward: Session | None = None  # the batch's backward, once a body opens a block
+        self.slices: dict = {}  # id(view) -> (view, full, rows): the bodies' rows of values
+
+    def forward_session(self) -> Session:
+        raise TraceStateError("in a trace with invokes, read model values inside the "
+                              "`with tracer.invoke(...):` blocks.")
+
+    def run_rest(self) -> None:
+        trace = self.trace
+        invokes = trace.invokes
+        frame = invokes[0].frame
+        args, kwargs, rows = batching.join([inv.inputs for inv in invokes], trace.tokenizer)
+        scheduler = greenlet.getcurrent()
+        bodies = [Body(self, rows=r, index=i, scheduler=scheduler) for i, r in enumerate(rows)]
+        self.forward = self.open_session(bodies, args, kwargs)
+        self.forward.slices = self.slices
+        namespace = {**frame.f_globals, **frame.f_locals}
+        runners = BodyRunners({body: (lambda code=inv.code: exec(code, namespace))
+                               for inv, body in zip(invokes, bodies)}, BODIES)
+        try:
+            self._schedule(bodies, runners)
+        finally:
+            runners.close()
+            if self.backward is not None:
+                if not self.backward.finished:
+                    self.backward.abort()
+                self.backward.close()
+            else:  # a backward after the trace fills them
+                fill_retained_grads(self.slices)
+            for body in bodies:
+                body.requests = None
+        saved = {id(entry[0]) for body in bodies for entry in body.saves}
+        trace.body.saves.extend(v for body in bodies for v in body.saves)
+        names = {}
+        for inv in invokes:
+            for name in inv.names:
+                if name in namespace:
+                    value = namespace[name]
+                    names[name] = value if id(value) in saved else capture.NotSaved(name)
+        capture.write_back(frame, names)
+
+    def _schedule(self, bodies: list[Body], runners: BodyRunners) -> None:
+        wake = runners.wake
+        for body in bodies:
             wake(body)
+        while runners.todo:
+            waiting = [b for b in bodies if runners.live(b)]
+            session = self.backward if self.forward.finished else self.forward
+            if session is not None and not session.finished and any(
+                    b.pending in session.wanted for b in waiting):
+                session.advance()
+                served = [b for b in waiting if b.stop is not None and b.pending is not None]
+                if session.finished:
+                    served = [b for b in waiting if b.pending in session.wanted]
+                for body in served:
+                    wake(body)
+                continue
+            if not self.forward.finished:
+                self.forward.finish()
+                continue
+            starting = [b for b in waiting if b.pending == _BACKWARD]
+            if starting and self.backward is None:
+                self.backward = self._backward_session(bodies)
+                for body in starting:
+                    wake(body)
+                continue
+            if self.backward is not None and not self.backward.finished:
+                self.backward.finish()
+                continue
+            done = [b for b in waiting if b.pending == _BACKWARD_DONE]
+            for body in (done or waiting):  # a body still waiting now waits for nothing that comes
+                wake(body)
 
+    def _backward_session(self, bodies: list[Body]) -> Session:
+        blocks = [b.block for b in bodies if b.pending == _BACKWARD]
+        first = blocks[0]
+        if any(b.kwargs != first.kwargs for b in blocks):
+            raise TraceStateError("the invokes' backward blocks pass different keyword arguments "
+                                  "to backward(); one backward runs for the whole batch.")
 
-def _backward_session(trace, bodies: list[Body]) -> Session:
-    blocks = [b.block for b in bodies if b.pending == _BACKWARD]
-    first = blocks[0]
-    if any(b.kwargs != first.kwargs for b in blocks):
-        raise TraceStateError("the invokes' backward blocks pass different keyword arguments "
-                              "to backward(); one backward runs for the whole batch.")
+        def run():
+            if all(not b.args for b in blocks):
+                total = sum(b.tensor for b in blocks[1:]) + blocks[0].tensor if len(blocks) > 1 \
+                    else blocks[0].tensor
+                return first.backend.backward(total, first.fn, (), first.kwargs)
+            grads = [b.args[0] if b.args else None for b in blocks]
+            return torch.autograd.backward([b.tensor for b in blocks], grads, **first.kwargs)
 
-    def run():
-        if all(not b.args for b in blocks):
-            total = sum(b.tensor for b in blocks[1:]) + blocks[0].tensor if len(blocks) > 1 \
-                else blocks[0].tensor
-            return first.backend.backward(total, first.fn, (), first.kwargs)
-        grads = [b.args[0] if b.args else None for b in blocks]
-        return torch.autograd.backward([b.tensor for b in blocks], grads, **first.kwargs)
+        fill_retained_grads(self.slices)
+        session = Session("backward", run, bodies, size=self.forward.size,
+                          threaded=backward_threaded(first.tensor))
+        session.slices = self.slices
+        return session
 
-    from .backward import backward_threaded
-    fill_retained_grads(trace.slices)
-    session = Session("backward", run, bodies, size=trace.forward.size,
-                      threaded=backward_threaded(first.tensor))
-    session.slices = trace.slices
-    return session
+    # -- what an invoke body asks for ------------------------------------------------------
+    def open_backward(self, body, block) -> None:
+        if block.backend is None:
+            block.backend = self.engine
+        body.block = block
+        _wait(body, _BACKWARD)
+        if self.backward is None:
+            raise TraceStateError("the batch's backward could not start.")
+
+    def close_backward(self, body, block, error) -> None:
+        if error is None:
+            _wait(body, _BACKWARD_DONE)
+
+    def grad(self, body, tensor: torch.Tensor):
+        session = self.backward
+        entry = self.slices.get(id(tensor))
+        full, rows = (entry[1], body.rows) if entry is not None and entry[0] is tensor \
+            else (tensor, None)
+        if not tensor.requires_grad:
+            raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
+                             f"it does not require grad.")
+        point = session.grad_point(full)
+        key = (point, point.calls)
+        return session.request(body, key, lambda: grad_passed(body.block.tensor, tensor, body),
+                               rows=rows, tensor=tensor)
+
+    def close(self) -> None:
+        self.backward = self.slices = None
+        super().close()
 
 
 def fill_retained_grads(slices: dict) -> None:
@@ -179,29 +225,4 @@ def _wait(body: Body, key) -> None:
         body.pending = None
 
 
-def invoke_backward(trace, body: Body, block) -> None:
-    body.block = block
-    _wait(body, _BACKWARD)
-    if trace.backward is None:
-        raise TraceStateError("the batch's backward could not start.")
-
-
-def invoke_backward_done(trace, body: Body, block) -> None:
-    _wait(body, _BACKWARD_DONE)
-
-
-def invoke_grad(trace, body: Body, tensor: torch.Tensor):
-    from .backward import grad_passed
-    session = trace.backward
-    entry = trace.slices.get(id(tensor))
-    full, rows = (entry[1], body.rows) if entry is not None and entry[0] is tensor else (tensor, None)
-    if not tensor.requires_grad:
-        raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because it "
-                         f"does not require grad.")
-    point = session.grad_point(full)
-    key = (point, point.calls)
-    return session.request(body, key, lambda: grad_passed(body.block.tensor, tensor, body),
-                           rows=rows, tensor=tensor)
-
-
-__all__ = ["Invoke", "run_invokes", "OutOfOrderError"]
+__all__ = ["Invoke", "Invokes"]

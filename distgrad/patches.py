@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from . import gradpatch, saving
-from .backward import BackwardAttribute
+# Each attribute and how distgrad's is made over the one the class had (None: none), entered
+# by the module that defines it (``register``), which imports this one: this module stays a
+# leaf, so that the backward block can keep the attributes on top without an import cycle.
+_MAKERS: dict = {}
+_ours: dict = {}  # distgrad's attributes, as last installed
 
-# Each attribute and how distgrad's is made over the one the class had (None: none).
-_MAKERS = {"backward": BackwardAttribute, "save": saving.make_tensor_save,
-           "grad": gradpatch.make_grad}
-_ours = dict.fromkeys(_MAKERS)  # distgrad's attributes, as last installed
+
+def register(name: str, make) -> None:
+    """``make(previous)`` makes distgrad's ``torch.Tensor.<name>`` over ``previous``."""
+    _MAKERS[name] = make
+    _ours[name] = None
 
 
 def install() -> None:
@@ -39,12 +43,13 @@ def install() -> None:
 
 def installed(name: str) -> bool:
     """Whether ``torch.Tensor.<name>`` is distgrad's, as installed last."""
-    return _ours[name] is not None and torch.Tensor.__dict__.get(name) is _ours[name]
+    return _ours.get(name) is not None and torch.Tensor.__dict__.get(name) is _ours[name]
 
 
 def keep_on_top() -> None:
     """Install again any of distgrad's three attributes that another library has replaced."""
     attrs = torch.Tensor.__dict__
-    if (attrs.get("backward") is not _ours["backward"] or attrs.get("save") is not _ours["save"]
-            or attrs.get("grad") is not _ours["grad"]):
+    ours = _ours
+    if (attrs.get("backward") is not ours["backward"] or attrs.get("save") is not ours["save"]
+            or attrs.get("grad") is not ours["grad"]):
         install()

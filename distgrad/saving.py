@@ -15,6 +15,7 @@ import weakref
 import greenlet
 import torch
 
+from . import patches
 from .errors import TraceStateError
 from .session import BODIES, current_body
 from .torch_internals import view_base
@@ -135,3 +136,6 @@ def saved_label(tensor: torch.Tensor, labels: dict) -> tuple:
         if named is not None and named[0] is base:
             return "a view of " + named[1], named[2]
     return COMPUTED, ""
+
+
+patches.register("save", make_tensor_save)

@@ -28,9 +28,11 @@ def current_body():
 
 
 class Body:
-    def __init__(self, trace=None, rows: slice | None = None, index: int | None = None,
+    """One with-block body that asks for values. ``requests`` serves it (``requests.py``)."""
+
+    def __init__(self, requests, rows: slice | None = None, index: int | None = None,
                  scheduler=None):
-        self.trace = trace          # the Trace, or None for a backward block outside any trace
+        self.requests = requests    # what serves this body's requests (requests.py)
         self.rows = rows            # rows of the batch this body sees; None: all of them
         self.index = index          # invoke number, for messages
         self.scheduler = scheduler  # greenlet to yield to (invoke bodies); None: drive the run
@@ -40,7 +42,6 @@ class Body:
         self.asked = (rows, None, False)
         self.stop = None            # Stop: where the run is paused for this body
         self.block = None           # the open BackwardTracer, if any
-        self.driver = None          # GeneratorDriver while the body runs as a generator
         self.saves: list = []
         self.labels: dict = {}      # id(tensor) -> (tensor, "model.x.output") for messages
 

@@ -18,7 +18,7 @@ TORCH_PRIVATE_ATTRS = {
 # entry: a function call there would cost every read (benchmarks/bytecodes.py counts it).
 INLINE_HOT_PATHS = {
     ("points.py", "ModulePoint.arm"), ("points.py", "ModulePoint.remove"),
-    ("generator_run.py", "GeneratorDriver.grad"),
+    ("generator_run.py", "GeneratorDriver.read_grad"),
     ("session.py", "Stop.__init__"), ("session.py", "Stop.edited"), ("session.py", "Session.request_solo"),
     ("generator_session.py", "GeneratorSession._grad_ready"),
 }

@@ -263,7 +263,7 @@ def test_the_users_error_keeps_the_users_context(mlp, backward_mode, where):
     traces = []
     with pytest.raises(ValueError, match="the user's own") as info:
         _users_body(model, x, where, traces)
-    assert (traces[0].generator is not None) == (backward_mode == "generator")
+    assert (traces[0].mode == "generator") == (backward_mode == "generator")
     _assert_shown_as_raised(info.value, type(None))
 
     # raised while the user handles an exception of their own, outside the trace: that one is
@@ -274,6 +274,6 @@ def test_the_users_error_keeps_the_users_context(mlp, backward_mode, where):
             raise KeyError("the user's first")
         except KeyError:
             _users_body(model, x, where, traces)
-    assert (traces[0].generator is not None) == (backward_mode == "generator")
+    assert (traces[0].mode == "generator") == (backward_mode == "generator")
     _assert_shown_as_raised(info.value, KeyError)
     _clean(mlp)

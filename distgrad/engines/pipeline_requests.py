@@ -10,12 +10,14 @@ import sys
 import torch
 
 from ..errors import OutOfOrderError, TraceStateError
+from ..requests import Requests
 from ..session import Stop
 from .pipeline import moment, only_opens_block
 
 
-class BodyRequests:
-    """The requests of ``PipelineRun``'s bodies; see the module text."""
+class BodyRequests(Requests):
+    """The requests of ``PipelineRun``'s bodies; see the module text. The backward block
+    opens on ``tr.loss`` and the schedule runs the backward: closing it asks for nothing."""
 
     def module_value(self, body, envoy, kind: str):
         engine, session = self.engine, self.session
@@ -125,7 +127,7 @@ class BodyRequests:
         body.loss = value
         return value
 
-    def backward_block(self, body, block) -> None:
+    def open_backward(self, body, block) -> None:
         if block.tensor is not body.loss:
             raise TraceStateError("in a pipeline trace the schedule runs the backward of its own "
                                   "loss: open the block with `with tr.loss.backward():`.")
@@ -199,7 +201,7 @@ class BodyRequests:
         """``named``: the module path, or the tensor whose label words the error."""
         last = body.last_stage
         if forward and stage < last or not forward and body.block is not None and \
-                getattr(body, "grad_stage", None) is not None and stage > body.grad_stage:
+                body.grad_stage is not None and stage > body.grad_stage:
             what = (named if isinstance(named, str) else body.label_of(named)) + kind
             raise OutOfOrderError(
                 f"{what} was requested after a value of stage {last if forward else body.grad_stage}; "

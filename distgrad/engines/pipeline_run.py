@@ -21,6 +21,24 @@ from .pipeline_messages import MOST_MICROBATCHES, Messages
 from .pipeline_requests import BodyRequests
 
 
+class MicrobatchBody(Body):
+    """The body of one microbatch, and where it is in the step."""
+
+    def __init__(self, requests, index: int, scheduler):
+        super().__init__(requests, index=index, scheduler=scheduler)
+        self.seq = 0          # messages tagged for this body so far
+        self.last_stage = -1  # the latest stage whose forward value it read
+        self.grad_stage = None  # the stage of the latest gradient it read
+        self.loss = None      # tr.loss, once read
+        # the module value it read last, while it asks for nothing else: (module id and
+        # kind, the stop's assignment then, the stop) (BodyRequests.module_value)
+        self.at = None
+        # while it waits for a local forward value or loss: the event after which that
+        # value has passed (the marks: the scheduler's, or self.marks), else None
+        self.passed_at = None
+        self.remote_value = None  # a value received from another rank, until the body takes it
+
+
 class PipelineRun(BodyRequests, DirectSteps):
     """One trace: the step as a run, one body per microbatch, remote values delivered."""
 
@@ -50,15 +68,7 @@ class PipelineRun(BodyRequests, DirectSteps):
             raise NotImplementedError(f"distgrad runs pipeline steps of at most "
                                       f"{MOST_MICROBATCHES} microbatches, not {n}.")
         scheduler = greenlet.getcurrent()
-        bodies = [Body(trace, index=m, scheduler=scheduler) for m in range(n)]
-        for body in bodies:
-            body.seq, body.last_stage, body.loss = 0, -1, None
-            # the module value it read last, while it asks for nothing else: (module id and
-            # kind, the stop's assignment then, the stop) (BodyRequests.module_value)
-            body.at = None
-            # while it waits for a local forward value or loss: the event after which that
-            # value has passed (the marks: the scheduler's, or self.marks), else None
-            body.passed_at = None
+        bodies = [MicrobatchBody(self, m, scheduler) for m in range(n)]
         # On CUDA the schedule's backward calls tensor hooks on autograd's device threads, so
         # the step then runs in a worker thread that accepts hand-offs from any thread, and the
         # scheduler below runs the bodies; on one thread the hooks wake them (DirectSteps).
@@ -66,7 +76,6 @@ class PipelineRun(BodyRequests, DirectSteps):
         self.direct = not threaded
         self.session = session = Session("forward", lambda: engine.run_step(args, kwargs), bodies,
                                          threaded=threaded)
-        trace.pipeline = self
         spaces = [{**frame.f_globals, **frame.f_locals} for _ in bodies]
         runners = BodyRunners({body: (lambda space=space: exec(code, space))
                                for body, space in zip(bodies, spaces)}, BODIES)
@@ -94,7 +103,8 @@ class PipelineRun(BodyRequests, DirectSteps):
             if not session.finished:
                 session.abort()
             session.close()
-            trace.pipeline = None
+            for body in bodies:
+                body.requests = None
         capture.write_back(frame, joined(names, bodies, spaces))
 
     def _instrument(self):

@@ -1,0 +1,153 @@
+"""``InPlace``: the requests of a trace body that runs in the caller's own frame.
+
+The trace's one forward (and each backward block's backward) is a ``Session``: a run that
+advances only as far as the body's next request, each value handed over at a hook by a
+greenlet switch or, where hooks fire on other threads, a worker thread (``run.py``). The
+invokes (``invoke.py``) and the generator bodies (``generator_run.py``) build on this class.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import batching
+from .backward import backward_threaded, close_session, grad_stop
+from .errors import OutOfOrderError, TraceStateError
+from .requests import Requests
+from .session import UNSET, Session
+
+
+class InPlace(Requests):
+    """The requests of one trace's body, in place. ``trace``: the Trace (its inputs, its
+    model); ``forward``: the forward's Session once the body has asked for a value."""
+
+    mode = "in place"
+
+    def __init__(self, trace):
+        self.trace = trace
+        self.engine = trace.engine
+        self.forward: Session | None = None
+        if trace.method == "generate":
+            self.backward_refused = (
+                "a backward block cannot be opened in a model.generate() trace: generate() runs "
+                "under torch.no_grad(), so there is no graph. Use model.trace(...) for gradients.")
+
+    # -- the forward ----------------------------------------------------------------------
+    def forward_session(self) -> Session:
+        if self.forward is None:
+            trace = self.trace
+            args, kwargs = batching.prepare(*trace.raw_inputs, trace.tokenizer)
+            self.forward = self.open_session([trace.body], args, kwargs)
+        return self.forward
+
+    def open_session(self, bodies, args, kwargs) -> Session:
+        if not args and not kwargs:
+            raise TraceStateError("model.trace() has no inputs: pass them to trace(...) or add "
+                                  "`with tracer.invoke(...):` blocks.")
+        size = batching.batch_size(args, kwargs) if bodies[0].rows is not None else 0
+        return Session("forward", self.forward_call(args, kwargs), bodies, size=size,
+                       views=self.engine.views)
+
+    def forward_call(self, args, kwargs):
+        """The forward as a function of nothing: what the session runs."""
+        call = self.engine.generate if self.trace.method == "generate" else self.engine.forward
+        return lambda: call(args, kwargs)
+
+    def finish_forward(self) -> None:
+        (self.forward or self.forward_session()).finish()
+
+    def run_rest(self) -> None:
+        self.finish_forward()
+
+    def close(self) -> None:
+        if self.forward is not None:
+            if not self.forward.finished:
+                self.forward.abort()
+            self.forward.close()
+        self.forward = self.trace = None
+
+    # -- module values --------------------------------------------------------------------
+    def module_value(self, body, envoy, kind: str):
+        module, call = envoy._module, envoy._call
+        session = self.forward or self.forward_session()
+        if body.block is not None or session.finished:
+            raise OutOfOrderError(
+                f"{plain_path(envoy)}.{kind} was requested after the forward had finished. Read "
+                f"forward values before `with loss.backward():` and keep them in variables.")
+        point = session.points.get((id(module), kind))
+        if point is None:
+            point = self._new_point(session, envoy, kind)
+        if call is None:
+            stop = body.stop
+            if stop is not None and stop.key[0] is point:
+                if stop.local != envoy._local:
+                    path = point.path
+                    raise TraceStateError(
+                        f"{path}.{kind} and {path}.local.{kind} name one value in two forms "
+                        f"(whole and this rank's shard); read one of them per call.")
+                return stop  # the body is at this very call: read/write it again
+            if session.solo:
+                return session.request_solo(body, (point, point.calls), point.passed, None,
+                                            envoy._local)
+            call = point.calls
+        elif call < point.calls and not (body.stop is not None and body.stop.key == (point, call)):
+            raise OutOfOrderError(
+                f"{point.path}.{kind} (call {call}) was requested after the run had already "
+                f"passed it (the module has run {point.calls} time(s) since the trace first named "
+                f"it). Name repeated modules before the forward reaches them.")
+        return session.request(body, (point, call), point.passed, UNSET, None, envoy._local)
+
+    def _new_point(self, session: Session, envoy, kind: str):
+        kept = envoy._kept  # this envoy's points from earlier traces, by kind
+        point = kept.get(kind) if kept is not None else None
+        if point is not None and point.session is None:
+            point.arm(session)
+        elif envoy._call is None and not envoy._local:
+            point = session.module_point(envoy._module, envoy._path, kind, new=True)
+            if kept is None:
+                object.__setattr__(envoy, "_kept", {kind: point})
+            else:
+                kept[kind] = point
+        else:  # .call(i) and .local envoys are made per use: nothing to keep
+            point = session.module_point(envoy._module, plain_path(envoy), kind, new=True)
+        # PyTorch decides at the start of a module's call whether to run its forward hooks; a
+        # module with no hook then never sees one added mid-call. Giving every enclosing module
+        # a (counting, silent) output point before the run enters it keeps `model.output` and
+        # other enclosing outputs reachable later in the body. The walk stops at the first
+        # ancestor already covered in this session.
+        covered = session.covered
+        if not covered:
+            session.module_point(self.engine.root, "model", "output")
+        outer = envoy._parent
+        # by path, not module: a module reachable along two paths has two sets of ancestors
+        while outer is not None and outer._path not in covered:
+            covered.add(outer._path)
+            if not isinstance(outer._module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                session.module_point(outer._module, outer._path, "output")
+            outer = outer._parent
+        return point
+
+    # -- backward blocks ------------------------------------------------------------------
+    def open_backward(self, body, block) -> None:
+        if block.backend is None:
+            block.backend = self.engine
+        self.finish_forward()
+        block.session = self.backward_session(body, block)
+
+    def backward_session(self, body, block) -> Session:
+        return Session("backward", block.run, [body], threaded=backward_threaded(block.tensor),
+                       views=self.engine.views)
+
+    grad = staticmethod(grad_stop)  # (a call layer less on the hottest path of a block)
+
+    def close_backward(self, body, block, error) -> None:
+        close_session(block.session, error)
+
+
+def plain_path(envoy) -> str:
+    """The envoy's path without the ``.call(i)`` / ``.local`` it was addressed through."""
+    path = envoy._path
+    if envoy._call is not None:
+        path = path.rsplit(".call(", 1)[0]
+    if envoy._local and path.endswith(".local"):
+        path = path[: -len(".local")]
+    return path

@@ -1,0 +1,76 @@
+"""The one seam between a with-block body and the run that answers it.
+
+A body asks for five things: a module's value (``.output``, ``.input``, ``.inputs``), opening a
+backward block, a tensor's gradient inside it (``.grad``, read or assigned), closing the block,
+and, under a pipeline schedule, the microbatch's loss (``tr.loss``). Every ``Body`` holds the
+object that serves it (``Body.requests``); the envoy, the backward block and the ``.grad``
+property call that object and nothing else. Which kind of trace this is - a body in place, a
+batch of invokes, a body run as a generator, a pipeline step - is decided once, when the trace
+opens (``Trace.__enter__``), by choosing the object; no caller tests it again.
+
+The objects, from the simplest:
+
+* ``Outside`` (``backward.py``): a backward block opened outside any trace; it serves
+  gradients only.
+* ``InPlace`` (``in_place.py``): the trace body in the caller's frame over one forward, each
+  value handed over by a greenlet or a worker thread (``session.py``, ``run.py``).
+* ``Invokes`` (``invoke.py``): several bodies over one batch, served in invoke order.
+* ``GeneratorDriver`` (``generator_run.py``): the body rewritten as a generator, its runs
+  called from the trace's own stack.
+* ``PipelineRun`` (``engines/pipeline_run.py``): one body per microbatch of a pipeline
+  schedule, values of other ranks' stages received.
+"""
+from __future__ import annotations
+
+from .errors import TraceStateError
+
+
+class Requests:
+    """What serves one trace's bodies. Subclasses override what their trace can serve; the
+    defaults here refuse, each with the error a user of that trace needs.
+
+    Methods (``body``: the asking ``session.Body``):
+
+    * ``module_value(body, envoy, kind)``: the ``Stop`` at ``envoy``'s module value, ``kind``
+      "output" or "input"; the body reads ``stop.view`` and assigns through ``stop.replace``.
+    * ``open_backward(body, block)``: ``with loss.backward():`` opens (``block``: the
+      ``BackwardTracer``); returns once gradients can be asked for.
+    * ``grad(body, tensor)``: the ``Stop`` at the gradient flowing into ``tensor``, inside the
+      body's open block.
+    * ``close_backward(body, block, error)``: the block ends, ``error`` the exception leaving
+      it or None.
+    * ``loss(body)``: ``tr.loss``, the microbatch's loss under a pipeline schedule.
+    * ``run_rest()``: the body has ended; run what is left of the trace.
+    * ``close()``: the trace ends (normally or not): end the runs still open.
+
+    Attributes: ``mode``, how the bodies run, in words (``Trace.mode`` shows it); ``engine``,
+    the engine the trace runs on (None outside a trace); ``backward_refused``, the message a
+    backward block opened in this trace raises, or None.
+    """
+
+    mode = "outside a trace"
+    engine = None
+    backward_refused = None
+
+    def module_value(self, body, envoy, kind: str):
+        raise TraceStateError(f"{envoy._path}.{kind} can only be used inside "
+                              "`with model.trace(...):`.")
+
+    def open_backward(self, body, block) -> None:
+        raise NotImplementedError(f"{type(self).__name__} serves no backward block.")
+
+    def grad(self, body, tensor):
+        raise NotImplementedError(f"{type(self).__name__} serves no gradient.")
+
+    def close_backward(self, body, block, error) -> None:
+        return None
+
+    def loss(self, body):
+        raise TraceStateError("tracer.loss exists only in a pipeline trace; elsewhere compute "
+                              "the loss in the body (loss = model.output.logits.sum()).")
+
+    def run_rest(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -137,9 +137,14 @@ class DistributedEngine(Engine):
                 keep_for_life(group)
             raise
 
-    def check_failure(self) -> None:
-        """Raise, as a broken connection would, if a rank has failed in this trace."""
-        found = self._watch.read(self.key_now())
+    def check_failure(self, ask_the_store: bool = True) -> None:
+        """Raise, as a broken connection would, if a rank has failed in this trace: as the
+        failure watcher has seen it (every 0.1 s, and it outlives the store's host), or, with
+        ``ask_the_store``, as the store says now."""
+        key = self.key_now()
+        found = self._watch.seen.get(key)
+        if found is None and ask_the_store:
+            found = self._watch.read(key)
         if found is not None:
             raise RuntimeError(f"Connection closed: {found[1]}")
 

@@ -119,7 +119,7 @@ class RequestChecks:
                 self.told = True
                 self._publish(self.engine.store, "*")  # every batch has gone
 
-        _wait_landing(theirs.numpy(), after_slice)
+        _wait_landing(theirs.numpy(), self.engine, after_slice)
         work.wait()  # landed, or landing: nothing can stop it now
 
     def _wait_for_batch(self, buf: torch.Tensor, work, src: int, key, tag: int) -> None:
@@ -139,26 +139,33 @@ class RequestChecks:
                     _MISMATCH + f"this rank, {self.rank}, waits for values of batch {key} "
                     f"that rank {src} did not send: its body did not ask for them).")
 
-        _wait_landing(buf[:8].view(torch.int64).numpy(), after_slice)
+        _wait_landing(buf[:8].view(torch.int64).numpy(), self.engine, after_slice)
         work.wait()  # landed, or landing: nothing can stop it now
 
 
-def _wait_landing(head, after_slice) -> None:
+def _wait_landing(head, engine, after_slice) -> None:
     """Return once ``head[0]`` (a receive buffer's first number, -1 until it lands) has landed,
-    calling ``after_slice`` (which may raise) every ``failure_timeout`` seconds until then.
+    raising as soon as the failure watcher has seen a rank fail, and calling ``after_slice``
+    (which may raise) every ``failure_timeout`` seconds until then.
 
     The receive is polled, with sleeps of at most 0.2 ms, rather than waited for: a timed wait
     on a gloo receive closes the group when it expires, and a receive handed to a helper thread
     that this rank gives up on can complete while the interpreter exits (a peer's connection
     closes), when the thread cannot take the GIL back: the process aborts ("terminate called
-    without an active exception")."""
+    without an active exception"). A failed gloo receive says so only in its ``wait()``, so the
+    failure comes from the watcher, which reads it before the store's host can exit."""
     if head[0] != -1:
         return
-    pause, slice_ends = 0.00005, time.monotonic() + config.failure_timeout
+    pause, now = 0.00005, time.monotonic()
+    slice_ends, look_ends = now + config.failure_timeout, now + 0.1
     while head[0] == -1:
         time.sleep(pause)
         pause = min(pause * 2, 0.0002)
-        if time.monotonic() > slice_ends:
+        now = time.monotonic()
+        if now > look_ends:
+            engine.check_failure(ask_the_store=False)
+            look_ends = now + 0.1
+        if now > slice_ends:
             after_slice()
             slice_ends = time.monotonic() + config.failure_timeout
 

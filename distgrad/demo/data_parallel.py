@@ -81,7 +81,7 @@ def full_weight(wrapped, weight):
     itself and FSDP1 summons its full parameters; other engines hand the weight as read."""
     if hasattr(weight, "full_tensor"):
         return weight.full_tensor()
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # (slow: FSDP1 only)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # slow: FSDP1 only
     if isinstance(wrapped, FSDP):
         with FSDP.summon_full_params(wrapped):
             return weight.param.detach().clone()

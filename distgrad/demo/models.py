@@ -24,7 +24,8 @@ from torch import nn
 def build_gpt2(n_layer: int = 2) -> nn.Module:
     """A tiny GPT-2 (d_model 64, 2 heads, a 384-token vocabulary) in eval mode, seed 0."""
     from transformers import GPT2Config, GPT2LMHeadModel
-    logging.getLogger("transformers").setLevel(logging.ERROR)  # the tiny vocab warns about bos/eos ids
+    # the tiny vocabulary makes the config warn about its bos/eos ids
+    logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=64, n_head=2, vocab_size=384)).eval()
 

@@ -19,8 +19,6 @@ from torch import nn
 
 import distgrad
 
-# torch.distributed.pipelining (about 1 s to import) and deepspeed (optional) are imported in the
-# functions that run them, so that the other demos do not pay for them.
 from .models import Net, build_mlp, interleaved_stages, layers_of, stage_of
 from .ranks import end_job
 
@@ -34,7 +32,7 @@ def batches(steps: int):
 
 def deepspeed_pipeline(net: Net, world: int):
     """The same blocks as a DeepSpeed PipelineModule; its train_batch steps the optimizer."""
-    import deepspeed
+    import deepspeed  # optional
     from deepspeed.pipe import PipelineModule
     pipe = PipelineModule(layers=list(net.layers), num_stages=world, loss_fn=nn.MSELoss(),
                           partition_method="uniform")
@@ -47,6 +45,8 @@ def deepspeed_pipeline(net: Net, world: int):
 
 
 def run(schedule_name: str, steps: int, check: bool) -> int:
+    # here, not at the top: about 1 s to import, which the other demos need not pay (deepspeed
+    # is optional: imported only for deepspeed-pipe)
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     deepspeed = schedule_name == "deepspeed-pipe"
     if deepspeed:

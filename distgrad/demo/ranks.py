@@ -1,9 +1,8 @@
 """What the multi-process demos (and tests/dist/job.py) share: this rank's device, starting the
 process group for a data-parallel engine, the tiny GPT-2 under that engine, and the end of a job.
 
-accelerate and deepspeed are optional: imported only for the engines that use them. The
-torch.distributed wrappers (DDP, FSDP1, FSDP2) are imported for their own engine only, each
-costing about half a second.
+Imported in the functions, for the engines that use them only: accelerate and
+deepspeed (optional), torch.distributed.fsdp (about half a second) and transformers' GPT2Block.
 """
 from __future__ import annotations
 
@@ -13,6 +12,8 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 
 # launch/zero{1,2,3}.json, beside the package in a source checkout
 LAUNCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "launch")
@@ -59,11 +60,9 @@ def wrap_with_engine(engine: str, net, lr: float = 0.1, ds_config: str | None = 
         ds_engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
         return ds_engine, {"deepspeed": True}
     if engine == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(
             net, device_ids=None if here.type == "cpu" else [here.index]), {}
     if engine == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh(here.type, (world,))
         for block in net.transformer.h:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import distgrad
+from distgrad.demo.models import build_gpt2
 from distgrad.engines import collective
 from ranks import print_ratios, time_in_turns
 
@@ -32,9 +33,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    net = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=384)).eval()
+    net = build_gpt2()
     ddp = DistributedDataParallel(net)
     model = distgrad.wrap(ddp)
     ids = torch.randint(0, 384, (2, 8), generator=torch.Generator().manual_seed(rank))

@@ -20,16 +20,9 @@ import time
 
 import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import distgrad  # patches Tensor.backward (with-form only) and adds Tensor.save at import
-
-transformers.logging.set_verbosity_error()  # the tiny vocab makes GPT2Config warn about bos/eos ids
-
-
-def make_net(n_layer: int) -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=64, n_head=2, vocab_size=384)).eval()
+from distgrad.demo.models import build_gpt2 as make_net  # the tiny GPT-2 at n_layer layers
 
 
 # -- the three programs; each runs one traced step over layers 0..k-1 and returns the saved grads --

@@ -4,7 +4,7 @@ step with raw hooks.
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/pp_overhead.py [--steps 200]
         [--width 256] [--schedule 1f1b|interleaved]
 
-The 4-block MLP of distgrad/demo_pp.py (widened to 256 so that a step is not all Python). The
+The 4-block MLP of distgrad/demo/models.py (widened to 256 so that a step is not all Python). The
 step: save layers[1]'s output (stage 0) and its gradient, and double that gradient. Raw hooks
 do it on the owning stage only: a forward hook that keeps the output and registers a tensor hook
 that keeps the gradient and returns it doubled. distgrad also sends the values to the other
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import distgrad
-from distgrad.demo_pp import Blocks, Net, interleaved_stages, layers_of
+from distgrad.demo.models import Blocks, Net, interleaved_stages, layers_of
 from pp_steps import pipeline_steps
 from ranks import print_ratios, time_in_turns
 

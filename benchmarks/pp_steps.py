@@ -105,7 +105,7 @@ def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x, handshake: bool = 
 
 def one_process_steps(width: int, port: str) -> tuple:
     """``(net, {name: step function})`` for a 1F1B step on ONE process: one stage holding the
-    whole 4-block model of ``distgrad/demo_pp.py``, 4 microbatches of 8 rows (the set-up of
+    whole 4-block model of ``distgrad/demo/models.py``, 4 microbatches of 8 rows (the set-up of
     ``pp_one_process.py`` and ``pp_bytecodes.py``). Starts a one-rank gloo group on ``port``."""
     import torch
     import torch.distributed as dist
@@ -113,7 +113,7 @@ def one_process_steps(width: int, port: str) -> tuple:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     import distgrad
-    from distgrad.demo_pp import Blocks, Net
+    from distgrad.demo.models import Blocks, Net
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", port)

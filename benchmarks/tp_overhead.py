@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import distgrad
-from distgrad.demo_tp import build_llama, parallelize_llama
+from distgrad.demo.models import build_llama, parallelize_llama
 from ranks import print_ratios, time_in_turns
 
 

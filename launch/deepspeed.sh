@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job under the deepspeed launcher on 2 CPU processes with ZeRO stage 1, 2 or 3
 # (launch/zero{1,2,3}.json), or DeepSpeed's pipeline engine (`pipe`: a PipelineModule of 2
-# stages run by train_batch, distgrad/demo_pp.py), checked against one process.
+# stages run by train_batch, distgrad/demo/pipeline.py), checked against one process.
 #   launch/deepspeed.sh [1|2|3|pipe]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import distgrad
+from distgrad.demo.models import build_gpt2, build_tokenizer
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 torch.set_num_threads(1)
@@ -43,14 +44,12 @@ TEXT = "The Eiffel Tower is in"
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    return ByT5Tokenizer()
+    return build_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def _gpt2():
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=384)
-    return GPT2LMHeadModel(cfg).eval()
+    return build_gpt2()
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import distgrad  # noqa: E402
+from distgrad.demo.models import build_gpt2  # noqa: E402
 from conftest import PARAM_ATOL  # noqa: E402
 
 
@@ -26,11 +26,6 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
-def _net():
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=384)).eval()
-
-
 BATCHES = [torch.randint(0, 384, (2, 8), generator=torch.Generator().manual_seed(i))
            for i in range(2)]
 
@@ -38,7 +33,7 @@ BATCHES = [torch.randint(0, 384, (2, 8), generator=torch.Generator().manual_seed
 def _accelerate_loop(steps: int) -> dict:
     """Plain accelerate: two micro-batches per optimizer step when ``steps`` is 2."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=steps)
-    net = _net()
+    net = build_gpt2()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     net, opt = accelerator.prepare(net, opt)
     for ids in BATCHES:
@@ -54,7 +49,7 @@ def _accelerate_loop(steps: int) -> dict:
 
 def _distgrad_loop(steps: int, pass_accelerator: bool) -> dict:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=steps)
-    net = _net()
+    net = build_gpt2()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     net, opt = accelerator.prepare(net, opt)
     model = distgrad.wrap(net, accelerator=accelerator if pass_accelerator else None)
@@ -70,7 +65,7 @@ def _distgrad_loop(steps: int, pass_accelerator: bool) -> dict:
 
 
 def _assert_same(got: dict, ref: dict) -> None:
-    moved = max((ref[n] - _net().state_dict()[n]).abs().max().item() for n in ref)
+    moved = max((ref[n] - build_gpt2().state_dict()[n]).abs().max().item() for n in ref)
     assert moved > 1e-4, "the oracle's steps changed nothing: the comparison would prove nothing"
     for name, value in ref.items():
         torch.testing.assert_close(got[name], value, atol=PARAM_ATOL, rtol=0, msg=name)
@@ -91,7 +86,7 @@ def test_prepared_model_without_accelerator_refuses_accumulation():
     """accelerate divides the loss by the steps; distgrad, without the accelerator, would not:
     wrap raises instead of training with twice the gradient."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
-    net = accelerator.prepare(_net())
+    net = accelerator.prepare(build_gpt2())
     with pytest.raises(ValueError, match="gradient_accumulation_steps=2") as info:
         distgrad.wrap(net)
     assert "distgrad.wrap(model, accelerator=accelerator)" in str(info.value)
@@ -101,7 +96,7 @@ def test_accumulation_turned_on_after_wrap_raises_at_the_backward():
     """The steps can be changed on the Accelerator later: every backward checks, and the
     refusal leaves no hook, no gradient and no open trace behind."""
     accelerator = Accelerator(cpu=True)
-    net = accelerator.prepare(_net())
+    net = accelerator.prepare(build_gpt2())
     model = distgrad.wrap(net)
     accelerator.gradient_accumulation_steps = 2
     ids = BATCHES[0]

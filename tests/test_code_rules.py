@@ -116,3 +116,46 @@ def test_no_underscore_name_is_read_from_another_module():
                      and not node.attr.startswith("__")
                      and isinstance(node.value, ast.Name) and node.value.id in modules]
     assert not crossing, "underscore names read from other modules:\n" + "\n".join(crossing)
+
+
+# distgrad/demo/: which of its modules each may import. The models and the shared set-up are
+# leaves (tests and benchmarks import them without pulling a demo in); each demo takes only
+# from those; __main__ alone picks a demo.
+DEMO_LAYERS = {"models": set(), "ranks": set(),
+               "local": {"models"}, "data_parallel": {"models", "ranks"},
+               "tensor_parallel": {"models", "ranks"}, "pipeline": {"models", "ranks"},
+               "__main__": {"local", "data_parallel", "tensor_parallel", "pipeline"},
+               "__init__": set()}
+
+
+def _demo_imports(tree) -> set[str]:
+    """The distgrad.demo modules a module imports, anywhere in it (function bodies too)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level == 1:  # from . import x / from .x import y
+                found |= {module} if module else {alias.name for alias in node.names}
+            elif module.startswith("distgrad.demo"):
+                rest = module[len("distgrad.demo"):].lstrip(".")
+                found |= {rest} if rest else {alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name[len("distgrad.demo."):] for alias in node.names
+                      if alias.name.startswith("distgrad.demo.")}
+    return found
+
+
+def test_demo_imports_go_down():
+    demo = PACKAGE / "demo"
+    assert sorted(path.stem for path in demo.glob("*.py")) == sorted(DEMO_LAYERS)
+    upward = [f"demo/{path.name} imports {name}"
+              for path in sorted(demo.glob("*.py"))
+              for name in sorted(_demo_imports(ast.parse(path.read_text())))
+              if name not in DEMO_LAYERS[path.stem]]
+    assert not upward, "imports against distgrad/demo's layers:\n" + "\n".join(upward)
+    models = ast.parse((demo / "models.py").read_text())
+    roots = {alias.name.split(".")[0] for node in ast.walk(models) if isinstance(node, ast.Import)
+             for alias in node.names}
+    roots |= {(node.module or "").split(".")[0] for node in ast.walk(models)
+              if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert roots <= {"__future__", "logging", "torch", "transformers"}, roots

@@ -1,5 +1,5 @@
 """The shipped launch scripts: the main job under torchrun, accelerate launch and the deepspeed
-launcher, each checking its numbers against one process on rank 0 (see distgrad/demo_parallel.py).
+launcher, each checking its numbers against one process on rank 0 (see distgrad/demo/).
 A separate module from test_distributed.py so that xdist runs the two on different workers."""
 import sys
 from pathlib import Path

@@ -12,17 +12,12 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import distgrad
+from distgrad.demo.models import build_gpt2
 from conftest import ATOL, PARAM_ATOL, hook_count, param_grads
 
 IDS = torch.tensor([[84, 107, 104, 32, 69, 105, 102], [70, 101, 108, 32, 84, 111, 119]])
-
-
-def _gpt2():
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=384)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +26,7 @@ def _lora():
     # init_lora_weights=False: B is random too, so the adapter changes the forward and both
     # A and B get gradients
     config = LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False)
-    return get_peft_model(_gpt2(), config)
+    return get_peft_model(build_gpt2(), config)
 
 
 @pytest.fixture
@@ -216,7 +211,7 @@ def fresh_dynamo():
 
 def _compiled(how: str, backend):
     """(what to wrap, the eager module inside) for ``torch.compile(net)`` or ``net.compile()``."""
-    net = _gpt2()
+    net = build_gpt2()
     if how == "torch.compile(net)":
         return torch.compile(net, backend=backend), net
     net.compile(backend=backend)
@@ -307,7 +302,7 @@ def test_compiled_ddp_is_driven_by_the_ddp_engine(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
                             rank=0, world_size=1)
     try:
-        net = _gpt2()
+        net = build_gpt2()
         eager = copy.deepcopy(net)
         out, grad, logits, grads = plain_step(eager, eager.transformer.h[0])
         compiled = torch.compile(DistributedDataParallel(net), backend="aot_eager")

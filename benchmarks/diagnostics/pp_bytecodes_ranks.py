@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmark
 import distgrad
 import distgrad.run
 from bytecodes import count
-from distgrad.demo_pp import Blocks, Net
+from distgrad.demo.models import Blocks, Net
 from pp_steps import pipeline_steps
 
 

@@ -19,7 +19,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 import distgrad  # noqa: E402
 from cases import close, expect_error, run_cases  # noqa: E402
-from pp_job import batch, build, oracle  # noqa: E402
+from distgrad.demo.models import build_mlp  # noqa: E402
+from pp_job import batch, oracle  # noqa: E402
 
 LR = 0.1
 
@@ -44,7 +45,7 @@ def case_train_batch(model, net, engine, ctx):
     close(loss, ref["losses"], "per-microbatch losses")
     close(g3, ref["g3"], "layers[3] gradient (the whole batch's mean loss)")
     close(g1, ref["g1"], "layers[1] gradient")
-    start = build(8)
+    start = build_mlp(8)
     for (name, param), (_, before) in zip(net.named_parameters(), start.named_parameters()):
         if name.startswith(tuple(f"layers.{i}." for i in ctx["mine"])):
             close(param.detach(), before.detach() - LR * ref["params"][name],
@@ -83,7 +84,7 @@ def main():
     distgrad.config.failure_timeout = 3.0
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    net = build(8)
+    net = build_mlp(8)
     pipe = PipelineModule(layers=list(net.layers), num_stages=world, loss_fn=nn.MSELoss(),
                           partition_method="uniform")
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8 // args.microbatches,

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 import distgrad
 from cases import close, expect_error, expect_failure_of_rank1, run_cases  # noqa: E402  (tests/dist is the script's folder)
-from distgrad.demo_parallel import _init, wrap_with_engine
+from distgrad.demo.models import build_gpt2
+from distgrad.demo.ranks import start_process_group, wrap_with_engine
 from dp_leaks import check_no_cycles  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -27,12 +28,6 @@ torch.set_num_threads(1)
 # Losses are logits.sum() * SCALE: gradients of order 1, so that atol 1e-5 (cases.ATOL) is a fair test of
 # fp32 numbers summed in a different order (an all-reduce) rather than of their magnitude.
 SCALE = 1e-3
-
-
-def build():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=384)).eval()
 
 
 def clear_grads(wrapped):
@@ -56,7 +51,7 @@ def rows_of(rank: int, sizes: list[int]) -> slice:
 
 def oracle(ids, edit: float = 1.0):
     """Plain autograd on one process: h[0]'s output and gradient, h[1]'s output, param grads."""
-    net = build()
+    net = build_gpt2()
     seen = {}
 
     def on_output(mod, args, out):
@@ -164,7 +159,7 @@ def case_steady_saves(model, wrapped, rank, world):
     bytes are received straight into the saved values, bound while the collective runs), a rank
     whose batch shrinks for one step (every rank must notice and fall back), values smaller
     than the header, and gather='all'. New data every step, so a stale value cannot pass."""
-    net = build()
+    net = build_gpt2()
     kinds = ["wide"] * 4 + ["odd"] + ["wide"] * 3 + ["small"] * 4 + ["all"] * 4
     for step, kind in enumerate(kinds):
         sizes = [2] + [1] * (world - 1) if kind == "odd" else [2] * world
@@ -378,8 +373,8 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     distgrad.config.failure_timeout = 3.0
-    _init(args.engine)
-    wrapped, options = wrap_with_engine(args.engine, build(), lr=0.0)
+    start_process_group(args.engine)
+    wrapped, options = wrap_with_engine(args.engine, build_gpt2(), lr=0.0)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = distgrad.wrap(wrapped, accelerator=options.get("accelerator"))
     run_cases(CASES[args.cases], args.out, rank, model, wrapped, rank, world)

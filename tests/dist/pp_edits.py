@@ -10,7 +10,7 @@ from torch import nn
 
 import distgrad
 from cases import close, expect_error  # noqa: E402  (tests/dist is the script's folder)
-from distgrad.demo_pp import build
+from distgrad.demo.models import build_mlp
 
 
 def oracle(ctx) -> dict:
@@ -19,7 +19,7 @@ def oracle(ctx) -> dict:
     outputs."""
     x, y = ctx["batch"]()
     m = ctx["m"]
-    net = build(ctx["width"], ctx["blocks"])
+    net = build_mlp(ctx["width"], ctx["blocks"])
     seen = {}
 
     def keep(name, out):

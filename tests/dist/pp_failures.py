@@ -9,7 +9,7 @@ from torch import nn
 import distgrad
 # tests/dist is the job script's folder
 from cases import close, expect_error, expect_failure_of_rank1  # noqa: E402
-from distgrad.demo_pp import build
+from distgrad.demo.models import build_mlp
 
 
 def case_rank_dependent(model, net, ctx):
@@ -93,7 +93,7 @@ def case_slow_owner(model, net, ctx):
             pause()
     if time.monotonic() - start < distgrad.config.failure_timeout:  # what this case is about
         raise AssertionError("the trace did not wait for the slow stage 0")
-    ref = build(ctx["width"], ctx["blocks"])  # the same weights, unsplit, with plain autograd
+    ref = build_mlp(ctx["width"], ctx["blocks"])  # the same weights, unsplit, with plain autograd
     h1 = ref.layers[1](ref.layers[0](x))
     h1.retain_grad()
     nn.MSELoss()(ref.layers[3](ref.layers[2](h1)), y).backward()

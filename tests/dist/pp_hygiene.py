@@ -12,7 +12,7 @@ from torch import nn
 
 import distgrad
 from cases import expect_error  # noqa: E402  (tests/dist is the script's folder)
-from distgrad.demo_pp import Blocks, build
+from distgrad.demo.models import Blocks, build_mlp
 from cases import close  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def _plain_step(ctx) -> dict:
     """case_nothing_left_behind's step with plain autograd on the unsplit model (built with the
     job's weights), the whole batch at once: layers[1]'s output, layers[3]'s gradient, and the
     parameter gradients after layers[1]'s gradient is doubled."""
-    net = build(ctx["width"], ctx["blocks"])
+    net = build_mlp(ctx["width"], ctx["blocks"])
     x, y = ctx["batch"]()
     seen = {}
 

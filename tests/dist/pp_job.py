@@ -23,7 +23,7 @@ from cases import close, expect_error, run_cases  # noqa: E402  (tests/dist is t
 torch.set_num_threads(1)
 
 
-from distgrad.demo_pp import Blocks, build  # noqa: E402  the demo's 4-block MLP
+from distgrad.demo.models import Blocks, build_mlp  # noqa: E402  the demo's 4-block MLP
 from pp_edits import (case_edits_read_back, case_edits_read_back_thread,  # noqa: E402
                       case_inputs_refused)
 from pp_failures import (case_failure, case_killed, case_rank_dependent,  # noqa: E402
@@ -42,7 +42,7 @@ def batch():
 
 
 def oracle(x, y, m):
-    net = build(WIDTH, BLOCKS)
+    net = build_mlp(WIDTH, BLOCKS)
     seen = {}
 
     def keep(i, factor=1.0):
@@ -235,7 +235,7 @@ def main():
     distgrad.config.failure_timeout = 3.0
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    net = build(WIDTH, BLOCKS)
+    net = build_mlp(WIDTH, BLOCKS)
     per = len(net.layers) // world
     looped = {"interleaved": ScheduleInterleaved1F1B, "looped": ScheduleLoopedBFS}
     if args.schedule in looped:  # two stages per rank, round robin: rank r runs r and r + world

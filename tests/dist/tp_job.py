@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import distgrad
 from cases import close, expect_error, expect_failure_of_rank1, run_cases  # noqa: E402  (tests/dist is the script's folder)
-from distgrad.demo_tp import build_llama, parallelize_llama
+from distgrad.demo.models import build_llama, parallelize_llama
 
 torch.set_num_threads(1)
 SCALE = 1e-3

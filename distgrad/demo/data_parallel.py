@@ -10,86 +10,32 @@ batch and exits non-zero on any mismatch (fp32, atol 1e-5).
 """
 from __future__ import annotations
 
-import gc
-import os
-
 import torch
 import torch.distributed as dist
 
 import distgrad
+from .models import build_gpt2
+from .ranks import device, end_job, start_process_group, wrap_with_engine
 
 SCALE = 1e-3  # gradients of order 1 (see tests/dist/job.py)
 
 
-def _net():
-    from .demo import build
-    net, _ = build()
-    return net
-
-
-def device() -> torch.device:
-    """This rank's device: its GPU (LOCAL_RANK) where CUDA is available, else the CPU.
-    ``DISTGRAD_DEVICE=cpu`` keeps a GPU machine on the CPU path."""
-    if torch.cuda.is_available() and os.environ.get("DISTGRAD_DEVICE", "") != "cpu":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _batch(steps: int, world: int):
+def batches(steps: int, world: int):
+    """A fixed global batch per step: two rows per rank."""
     g = torch.Generator().manual_seed(7)
     return [torch.randint(0, 384, (2 * world, 8), generator=g) for _ in range(steps)]
 
 
-def wrap_with_engine(engine: str, net, lr: float = 0.1, ds_config: str | None = None):
-    """The tiny GPT-2 under one engine, the way the demo, launch scripts and tests use it.
-    Returns what the user would hand to ``distgrad.wrap`` and the keyword arguments for it."""
-    here = device()
-    if engine == "accelerate":
-        from accelerate import Accelerator
-        accelerator = Accelerator(cpu=here.type == "cpu")
-        return accelerator.prepare(net), {"accelerator": accelerator}
-    world = dist.get_world_size()
-    net = net.to(here)
-    if engine.startswith("zero"):
-        import deepspeed
-        import json
-        path = ds_config or os.path.join(os.path.dirname(__file__), "..", "launch", f"{engine}.json")
-        with open(path) as f:
-            config = json.load(f)
-        optimizer = torch.optim.SGD(net.parameters(), lr=lr)
-        ds_engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
-        return ds_engine, {"deepspeed": True}
-    if engine == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(
-            net, device_ids=None if here.type == "cpu" else [here.index]), {}
-    if engine == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh(here.type, (world,))
-        for block in net.transformer.h:
-            fully_shard(block, mesh=mesh)
-        return fully_shard(net, mesh=mesh), {}
-    if engine == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-        return FullyShardedDataParallel(net, use_orig_params=True, device_id=here,
-                                        auto_wrap_policy=ModuleWrapPolicy({GPT2Block})), {}
-    raise SystemExit(f"--engine {engine}: use ddp, fsdp1, fsdp2 or accelerate "
-                     "(DeepSpeed is not wired yet).")
-
-
 def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> int:
-    _init(engine)
-    wrapped, options = wrap_with_engine(engine, _net(), ds_config=ds_config)
+    start_process_group(engine)
+    wrapped, options = wrap_with_engine(engine, build_gpt2(), ds_config=ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         model = distgrad.wrap(wrapped, accelerator=options.get("accelerator"))
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-        batches = _batch(steps, world)
+        step_batches = batches(steps, world)
         tables = []
-        for ids in batches:
+        for ids in step_batches:
             local = ids[2 * rank: 2 * rank + 2].to(device())
             with model.trace(local):
                 acts = [model.transformer.h[i].output for i in range(len(model.transformer.h))]
@@ -111,10 +57,9 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
         bad = 0
         if check:
             weight = model.transformer.h[0].mlp.c_fc.weight  # full values: collective on FSDP/ZeRO
-            full = weight.full_tensor() if hasattr(weight, "full_tensor") else _full(wrapped, weight)
-            full = full.cpu()  # the reference runs on the CPU
+            full = full_weight(wrapped, weight).cpu()  # the reference runs on the CPU
             if rank == 0:
-                ref_tables, ref_weight = _reference(batches, world)
+                ref_tables, ref_weight = reference(step_batches, world)
                 ok = all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
                          for a, b in zip(tables, ref_tables))
                 ok = ok and full.numel() == ref_weight.numel() and torch.allclose(
@@ -131,45 +76,25 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
         end_job()
 
 
-def end_job() -> None:
-    """The end of every demo: collect what the caller dropped (the engine and its wrapper keep
-    process groups, receive buffers and pooled greenlets alive), then destroy the groups, so that
-    their threads end here rather than while the interpreter exits."""
-    gc.collect()
-    if dist.is_initialized():  # distgrad destroys it on every rank after a failure
-        dist.destroy_process_group()
-
-
-def _init(engine: str) -> None:
-    """Start the process group (accelerate's Accelerator starts its own): gloo on the CPU,
-    nccl where each rank has a GPU."""
-    if engine == "accelerate":
-        return
-    here = device()
-    backend = "gloo" if here.type == "cpu" else "nccl"
-    if here.type == "cuda":
-        torch.cuda.set_device(here)
-    dist.init_process_group(backend)
-    if engine.startswith("zero"):
-        import deepspeed
-        deepspeed.init_distributed(dist_backend=backend)
-
-
-def _full(wrapped, weight):
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+def full_weight(wrapped, weight):
+    """``weight``'s whole values (a collective: every rank calls it). FSDP2's DTensor gathers
+    itself and FSDP1 summons its full parameters; other engines hand the weight as read."""
+    if hasattr(weight, "full_tensor"):
+        return weight.full_tensor()
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # slow: FSDP1 only
     if isinstance(wrapped, FSDP):
         with FSDP.summon_full_params(wrapped):
             return weight.param.detach().clone()
     return weight.detach().clone()
 
 
-def _reference(batches, world):
+def reference(step_batches, world):
     """One process: the same steps on the global batch. DDP and FSDP average over ranks, so the
     global loss is divided by the world size."""
-    net = _net()
+    net = build_gpt2()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     tables = []
-    for ids in batches:
+    for ids in step_batches:
         acts = []
 
         def keep(mod, args, out):
@@ -191,7 +116,3 @@ def _reference(batches, world):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return tables, net.transformer.h[0].mlp.c_fc.weight.detach().clone()
-
-
-def launched() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

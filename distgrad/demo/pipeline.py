@@ -18,66 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 import distgrad
-from distgrad.demo_parallel import end_job
+
+from .models import Net, build_mlp, interleaved_stages, layers_of, stage_of
+from .ranks import end_job
 
 MICROBATCHES = 4
-
-
-class Net(nn.Module):
-    """Four Linear+Tanh blocks: small enough to split over 1, 2 or 4 ranks."""
-
-    def __init__(self, width: int = 8, blocks: int = 4):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(width, width), nn.Tanh())
-                                     for _ in range(blocks)])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-class Blocks(nn.Module):
-    """One pipeline stage: some of the model's own blocks, in order (the same objects, so the
-    whole model's paths name them)."""
-
-    def __init__(self, blocks):
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def build(width: int = 8, blocks: int = 4) -> Net:
-    torch.manual_seed(0)
-    return Net(width, blocks)
-
-
-def layers_of(net: Net, rank: int, world: int, interleaved: bool = False) -> list[int]:
-    """The indices of the blocks ``rank`` runs: a contiguous share, or (interleaved) one block
-    per stage, round robin (rank r: r, r + world, ...)."""
-    if interleaved:
-        return list(range(rank, len(net.layers), world))
-    per = len(net.layers) // world
-    return list(range(rank * per, (rank + 1) * per))
-
-
-def stage_of(net: Net, rank: int, world: int):
-    from torch.distributed.pipelining import PipelineStage
-    per = len(net.layers) // world
-    return PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
-                         torch.device("cpu"))
-
-
-def interleaved_stages(net: Net, rank: int, world: int) -> list:
-    """One stage per block, round robin over the ranks."""
-    from torch.distributed.pipelining import PipelineStage
-    n = len(net.layers)
-    return [PipelineStage(Blocks(net.layers[s:s + 1]), s, n, torch.device("cpu"))
-            for s in layers_of(net, rank, world, interleaved=True)]
 
 
 def batches(steps: int):
@@ -85,9 +30,9 @@ def batches(steps: int):
     return [(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)) for _ in range(steps)]
 
 
-def _deepspeed_pipeline(net: Net, world: int):
+def deepspeed_pipeline(net: Net, world: int):
     """The same blocks as a DeepSpeed PipelineModule; its train_batch steps the optimizer."""
-    import deepspeed
+    import deepspeed  # optional
     from deepspeed.pipe import PipelineModule
     pipe = PipelineModule(layers=list(net.layers), num_stages=world, loss_fn=nn.MSELoss(),
                           partition_method="uniform")
@@ -100,6 +45,8 @@ def _deepspeed_pipeline(net: Net, world: int):
 
 
 def run(schedule_name: str, steps: int, check: bool) -> int:
+    # here, not at the top: about 1 s to import, which the other demos need not pay (deepspeed
+    # is optional: imported only for deepspeed-pipe)
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     deepspeed = schedule_name == "deepspeed-pipe"
     if deepspeed:
@@ -109,9 +56,9 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        net = build()
+        net = build_mlp()
         if deepspeed:
-            model = distgrad.wrap(_deepspeed_pipeline(net, world), full_model=net)
+            model = distgrad.wrap(deepspeed_pipeline(net, world), full_model=net)
         elif schedule_name == "pp-interleaved":
             schedule = ScheduleInterleaved1F1B(interleaved_stages(net, rank, world),
                                                n_microbatches=MICROBATCHES, loss_fn=nn.MSELoss())
@@ -149,7 +96,7 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
                 print(f"{s:4} " + "".join(f"{v:12.6f}" for v in row))
         if not check:
             return 0
-        ref_tables, ref = _reference(batches(steps), 1 if deepspeed else MICROBATCHES)
+        ref_tables, ref = reference(batches(steps), 1 if deepspeed else MICROBATCHES)
         mine = layers_of(net, rank, world, interleaved=schedule_name == "pp-interleaved")
         own = [p for i in mine for p in net.layers[i].parameters()]
         want = [p for i in mine for p in ref.layers[i].parameters()]
@@ -167,13 +114,13 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
         end_job()
 
 
-def _reference(data, scale: int):
+def reference(data, scale: int):
     """One process, unsplit: the same steps with a tensor hook halving layers[1]'s gradient.
     torch's schedules backpropagate each microbatch's mean loss and divide parameter gradients
     by the number of microbatches: the same parameter gradients as the whole batch's mean loss,
     and activation gradients MICROBATCHES times the whole-batch ones (``scale``). DeepSpeed
     backpropagates loss / MICROBATCHES: scale 1."""
-    net = build()
+    net = build_mlp()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     tables = []
     for x, y in data:

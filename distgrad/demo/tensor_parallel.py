@@ -1,7 +1,7 @@
 """The main job under tensor parallelism: ``torchrun --nproc_per_node 2 -m distgrad.demo --engine tp``.
 
 A tiny Llama (HF's GPT-2 uses Conv1D, which torch's tensor parallel styles do not split) is
-split over all ranks with ``parallelize_llama``: attention and MLP projections column- then
+split over all ranks with ``models.parallelize_llama``: attention and MLP projections column- then
 row-wise. Every rank feeds the same batch; the body saves the gradient reaching each decoder
 layer and the (column-sharded) output of layer 0's ``up_proj`` seen whole, and halves the gradient
 reaching layer 0; SGD steps. ``--check`` replays the steps on one process, unsplit, and compares
@@ -9,57 +9,15 @@ the saved gradients and the trained weights (fp32, atol 1e-5).
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import distgrad
-from distgrad.demo_parallel import end_job
+from .models import build_llama, parallelize_llama
+from .ranks import end_job
 
 SCALE = 1e-3  # gradients of order 1 (see tests/dist/job.py)
-
-
-def build_llama(layers: int = 2) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=384,
-                         max_position_embeddings=64, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).float().eval()
-
-
-def parallelize_llama(model: torch.nn.Module, mesh, sequence_parallel: bool = False):
-    """Split each decoder layer's projections over ``mesh`` (torch's Megatron-style plan).
-
-    With ``sequence_parallel`` the residual stream is also split along the sequence (norms run
-    ``SequenceParallel``); HF Llama then needs ``position_ids`` passed explicitly, because it
-    derives them from the (local) sequence length."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
-    out = Shard(1) if sequence_parallel else Replicate()
-    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=out),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=out)}
-    if sequence_parallel:
-        parallelize_module(model, mesh, {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "model.norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
-        plan.update({
-            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-            # HF passes the attention's input by keyword only
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh, plan)
-    return model
 
 
 def batches(steps: int):
@@ -116,7 +74,6 @@ def reference_steps(ids_list):
 
 
 def run(steps: int, check: bool) -> int:
-    from torch.distributed.device_mesh import init_device_mesh
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import distgrad
-from distgrad.engines import collective
+from distgrad.engines.ranks import gather
 from ranks import print_ratios, time_in_turns
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -79,7 +79,7 @@ def main():
         saves = [(t, "rank0", 0) for t in tensors]
         flat = torch.cat([t.reshape(-1) for t in tensors])
         parts = [torch.empty_like(flat) for _ in range(world)]
-        exchange = collective.Exchange(dist.group.WORLD, rank, world)
+        exchange = gather.Exchange(dist.group.WORLD, rank, world)
         exchange(saves)  # the first call agrees on a buffer size; later ones are one collective
         for tensor, original in zip(tensors, originals):
             tensor.data = original

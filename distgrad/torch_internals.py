@@ -109,6 +109,12 @@ def default_store():
     return dist.distributed_c10d._get_default_store()
 
 
+def keep_for_life(group) -> None:
+    """Take a reference to ``group`` in C (``Py_IncRef``), so that it is never freed, not even
+    when module globals are cleared at exit (why: ``engines/ranks/engine.py``)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
 def allgather_base(group):
     """The process group's ``_allgather_base`` (one flat all-gather without all_gather's Python
     checks), or None when the group has none."""

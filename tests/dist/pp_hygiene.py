@@ -26,7 +26,7 @@ def footprint(model, net, ctx) -> dict:
     """What a pipeline trace could leave behind on this rank: hooks on the whole model's and
     the stages' modules, patched stage and schedule methods, registered bodies, threads, the
     engine's per-step records, idle runner greenlets."""
-    from distgrad.engines.helper_waits import wait_on_a_helper
+    from distgrad.engines.ranks.helper_waits import wait_on_a_helper
     from distgrad.run import _idle
     from distgrad.session import BODIES
     # helpers that wait for a batch are pooled, made when first needed: once a trace ends,

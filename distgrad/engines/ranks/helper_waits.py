@@ -2,7 +2,7 @@
 
 A timed wait on a gloo receive is not an option: when one expires, gloo closes every connection
 of the group (checked on torch 2.13: later waits fail with "Application timeout caused pair
-closure"). So a caller that must be able to give up - ``pipeline_messages.py``, waiting for a
+closure"). So a caller that must be able to give up - ``../pipeline/messages.py``, waiting for a
 batch that a peer may never send - hands the blocking wait to a helper and waits on an event in
 slices instead, reading what it needs between them.
 """

@@ -22,7 +22,6 @@ After a failure the process group is gone on every rank: guard teardown with
 from __future__ import annotations
 
 import atexit
-import ctypes
 import threading
 import time
 import weakref
@@ -31,14 +30,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..config import config
-from ..errors import RankFailedError
-from ..saving import LabelledSaves
-from ..session import current_body
-from ..torch_internals import default_store
-from . import collective
+from ...config import config
+from ...errors import RankFailedError
+from ...saving import LabelledSaves
+from ...session import current_body
+from ...torch_internals import default_store, keep_for_life
+from ..base import Engine
+from . import gather
 from .agreement import Agreement, asked, where
-from .base import Engine
 
 
 class DistributedEngine(Engine):
@@ -63,7 +62,7 @@ class DistributedEngine(Engine):
         self._traces = 0   # traces ended (incremented as end_trace starts)
         self.running = 1  # the number of the trace running, or of the last one (keys use it)
         # gather=False: every rank already holds the global values (tensor parallel alone)
-        self._exchange = (collective.Exchange(self.group, self._rank, self._world,
+        self._exchange = (gather.Exchange(self.group, self._rank, self._world,
                                               wait=self.wait_in_slices) if gather else None)
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
@@ -106,7 +105,7 @@ class DistributedEngine(Engine):
         self._watch.active.set()
         if self._exchange is not None:
             # name each saved gradient too, so that the gather can check that the ranks saved
-            # the same values (collective.py): the trace's body is current while it opens
+            # the same values (gather.py): the trace's body is current while it opens
             body = current_body()
             if body is not None:
                 body.saves = LabelledSaves(body)
@@ -121,7 +120,7 @@ class DistributedEngine(Engine):
         """Wait for a collective on ``group`` in slices of ``failure_timeout`` seconds, reading
         the failure key after each slice, then calling ``after_slice``. (A timed wait on a
         collective closes nothing; on a gloo receive it would close the whole group: see
-        ``pipeline_messages.py``.) Leaving with the collective still pending keeps ``group``
+        ``../pipeline/messages.py``.) Leaving with the collective still pending keeps ``group``
         for the life of the process (``_keep_for_life``)."""
         try:
             while True:
@@ -292,7 +291,7 @@ def _keep_for_life(group) -> None:
     freeing the group (when the engine that holds it is collected, at the latest at exit) would
     hang the process. A list is not enough (module globals are cleared at exit): the reference
     is taken in C. One group per failure, in a job that has failed."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    keep_for_life(group)
 
 
 def _store():

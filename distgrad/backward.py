@@ -93,7 +93,7 @@ class BackwardTracer:
             else:
                 self.session = Session("backward", self._run, [body],
                                        threaded=backward_threaded(self.tensor),
-                                       views=getattr(self.backend, "views", None))
+                                       views=None if self.backend is None else self.backend.views)
         except BaseException:
             self._leave()
             raise

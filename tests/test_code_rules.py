@@ -116,3 +116,46 @@ def test_no_underscore_name_is_read_from_another_module():
                      and not node.attr.startswith("__")
                      and isinstance(node.value, ast.Name) and node.value.id in modules]
     assert not crossing, "underscore names read from other modules:\n" + "\n".join(crossing)
+
+
+def _engine_uses(tree):
+    """(line, what) for each attribute the code reads on an engine (``engine.x``,
+    ``self.engine.x``, ``self._engine.x``, ``self.backend.x``) or on the run an engine hands the
+    trace (``self.pipeline.x``), and each ``getattr`` on one (which would hide an undeclared
+    name)."""
+    engine_names = {"engine", "_engine", "backend"}
+
+    def role(node):
+        name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+        if name in engine_names:
+            return "engine"
+        if name == "pipeline" and isinstance(node, ast.Attribute):
+            return "run"
+        return None
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and role(node.value) is not None:
+            found.append((node.lineno, role(node.value), node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr") and node.args
+              and role(node.args[0]) is not None):
+            found.append((node.lineno, "getattr", ast.unparse(node)))
+    return found
+
+
+def test_the_core_uses_only_what_engines_declare():
+    """The core (distgrad/, but not the engines or the demos) calls an engine only through what
+    ``engines.base.Engine`` declares, and the run a body-capturing engine hands the trace only
+    through what ``engines.base.CapturedRun`` declares: base.py is the whole interface."""
+    from distgrad.engines.base import CapturedRun, Engine
+    declared = {"engine": Engine, "run": CapturedRun}
+    undeclared = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        inside = path.relative_to(PACKAGE).parts
+        if inside[0] == "engines" or inside[0].startswith("demo"):
+            continue
+        for line, role, what in _engine_uses(ast.parse(path.read_text(), str(path))):
+            if role == "getattr" or not hasattr(declared[role], what):
+                undeclared.append(f"{path.relative_to(PACKAGE)}:{line}: {role} {what}")
+    assert not undeclared, "undeclared engine interface:\n" + "\n".join(undeclared)

@@ -15,7 +15,7 @@ from ..torch_internals import pipeline_schedule_class
 from ..wrappers import compiled_inner
 from . import tensor_parallel
 from .accelerate import AccelerateEngine, PreparedWithoutAccelerator
-from .base import Engine
+from .base import CapturedRun, Engine
 from .ddp import DDPEngine
 from .deepspeed import DeepSpeedEngineAdapter
 from .fsdp2 import FSDP2Engine, is_fully_sharded
@@ -76,6 +76,6 @@ def _is_pipeline_schedule(obj) -> bool:
     return schedule_class is not None and isinstance(obj, schedule_class)
 
 
-__all__ = ["Engine", "LocalEngine", "DDPEngine", "FSDP2Engine", "AccelerateEngine",
+__all__ = ["Engine", "CapturedRun", "LocalEngine", "DDPEngine", "FSDP2Engine", "AccelerateEngine",
            "DeepSpeedEngineAdapter", "PipelineEngine", "DeepSpeedPipeEngine", "select",
            "is_fully_sharded"]

@@ -18,6 +18,7 @@ from ...capture import NotSaved
 from ...points import add_tensor_hook
 from ...run import BodyRunners
 from ...session import BODIES, Body, Session
+from ..base import CapturedRun
 from .direct import DirectSteps
 from .messages import MOST_MICROBATCHES, Messages
 from .requests import BodyRequests
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # (engine.py imports this module to run a trace)
     from .engine import PipelineEngine
 
 
-class PipelineRun(BodyRequests, DirectSteps):
+class PipelineRun(BodyRequests, DirectSteps, CapturedRun):
     """One trace: the step as a run, one body per microbatch, remote values delivered."""
 
     def __init__(self, engine: PipelineEngine, trace):

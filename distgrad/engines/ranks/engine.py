@@ -36,7 +36,7 @@ from ...saving import LabelledSaves
 from ...session import current_body
 from ...torch_internals import default_store, keep_for_life
 from ..base import Engine
-from . import gather
+from .gather import Exchange
 from .agreement import Agreement, asked, where
 
 
@@ -62,8 +62,8 @@ class DistributedEngine(Engine):
         self._traces = 0   # traces ended (incremented as end_trace starts)
         self.running = 1  # the number of the trace running, or of the last one (keys use it)
         # gather=False: every rank already holds the global values (tensor parallel alone)
-        self._exchange = (gather.Exchange(self.group, self._rank, self._world,
-                                              wait=self.wait_in_slices) if gather else None)
+        self._exchange = (Exchange(self.group, self._rank, self._world,
+                                   wait=self.wait_in_slices) if gather else None)
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
         self.store = _store()

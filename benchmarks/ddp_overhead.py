@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import distgrad
 from distgrad.demo.models import build_gpt2
-from distgrad.engines import collective
+from distgrad.engines.ranks import gather
 from ranks import print_ratios, time_in_turns
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -71,14 +71,14 @@ def main():
     fns = {"raw hooks + all_gather": raw, "distgrad": traced}
     times = time_in_turns(fns, args.steps, after=lambda: ddp.zero_grad(set_to_none=True))
 
-    gather = {}
+    by_count = {}
     for s in (1, 4, 16, 64):
         tensors = [torch.randn(2, 8, 64) for _ in range(s)]
         originals = [t.clone() for t in tensors]
         saves = [(t, "rank0", 0) for t in tensors]
         flat = torch.cat([t.reshape(-1) for t in tensors])
         parts = [torch.empty_like(flat) for _ in range(world)]
-        exchange = collective.Exchange(dist.group.WORLD, rank, world)
+        exchange = gather.Exchange(dist.group.WORLD, rank, world)
         exchange(saves)  # the first call agrees on a buffer size; later ones are one collective
         for tensor, original in zip(tensors, originals):
             tensor.data = original
@@ -96,13 +96,13 @@ def main():
                 ours.append(time.perf_counter_ns() - t)
                 for tensor, original in zip(tensors, originals):
                     tensor.data = original
-        gather[s] = (statistics.median(one) / 1e3, statistics.median(ours) / 1e3)
+        by_count[s] = (statistics.median(one) / 1e3, statistics.median(ours) / 1e3)
 
     if rank == 0:
         print(f"torch {torch.__version__}, {world} ranks, gloo, 1 thread each, median of {args.steps}")
         print_ratios(times, "raw hooks + all_gather")
         print("\n| saved tensors S | one raw all_gather us | distgrad exchange us | ratio |\n|---:|---:|---:|---:|")
-        for s, (one, ours) in gather.items():
+        for s, (one, ours) in by_count.items():
             print(f"| {s} | {one:.1f} | {ours:.1f} | {ours / one:.2f}x |")
     dist.destroy_process_group()
 

@@ -59,7 +59,7 @@ def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x, handshake: bool = 
     tensors, which fires the hooks too: run another step before this one (the benchmarks' first
     variant, ``raw``, does). ``handshake``: the owner's step also waits until every other rank
     has told it (one message each, after its receives) that it has the values: the round trip
-    distgrad's end-of-step check makes (``engines/pipeline_checks.py``), so that an error reaches
+    distgrad's end-of-step check makes (``engines/pipeline/checks.py``), so that an error reaches
     every rank in the same step."""
     import torch
     import torch.distributed as dist

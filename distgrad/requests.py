@@ -17,7 +17,7 @@ The objects, from the simplest:
 * ``Invokes`` (``invoke.py``): several bodies over one batch, served in invoke order.
 * ``GeneratorDriver`` (``generator_run.py``): the body rewritten as a generator, its runs
   called from the trace's own stack.
-* ``PipelineRun`` (``engines/pipeline_run.py``): one body per microbatch of a pipeline
+* ``PipelineRun`` (``engines/pipeline/run.py``): one body per microbatch of a pipeline
   schedule, values of other ranks' stages received.
 """
 from __future__ import annotations

@@ -90,7 +90,7 @@ def bound(attribute, tensor):
 
 class LabelledSaves(list):
     """A body's list of saves that also names each saved gradient, for a multi-process engine
-    that checks the ranks saved the same values (``engines/collective.py``).
+    that checks the ranks saved the same values (``engines/ranks/gather.py``).
 
     Forward values are named in ``body.labels`` as the body receives them; a gradient is a
     fresh copy the body gets at the backward's stop, named nowhere. So when the body saves the

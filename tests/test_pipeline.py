@@ -183,13 +183,13 @@ def test_deepspeed_pipeline_rank_dependent_request_raises(tmp_path):
 
 
 def test_values_keep_dtype_shape_and_bytes_between_stages():
-    """The byte format values cross stages in (engines/pipeline_messages.py), one process: each
+    """The byte format values cross stages in (engines/pipeline/messages.py), one process: each
     value comes back with its dtype, shape, bytes and requires_grad, whichever path it took
     (contiguous host tensors: their bytes where they lie, a storage offset included; strided
     ones: numpy's; conjugate and negative views: the general one), and as a tensor of its own,
     not a view of the batch's reused buffer."""
     import torch
-    from distgrad.engines.pipeline_messages import _entry, _pack, _values
+    from distgrad.engines.pipeline.messages import _entry, _pack, _values
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3, 5, generator=g)

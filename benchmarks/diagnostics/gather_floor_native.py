@@ -1,5 +1,5 @@
 """Would C++ lower the gather's per-tensor floor? Rebinding S saved tensors to the rows of one
-block, from Python (``unbind`` + ``tensor.data =``, what ``engines/collective.py`` does) and from
+block, from Python (``unbind`` + ``tensor.data =``, what ``engines/ranks/gather.py`` does) and from
 a C++ extension built here with ``torch.utils.cpp_extension.load_inline`` (``unbind`` below
 autograd's view tracking + ``set_data``; needs a C++ compiler, builds in about 30 s).
 

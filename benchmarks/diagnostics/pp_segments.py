@@ -29,7 +29,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks this one builds on
 
-from distgrad.engines import pipeline_checks, pipeline_direct, pipeline_messages
+from distgrad.engines.pipeline import checks, direct, messages
 from pp_overhead import setup
 
 _SPANS: list = []  # (segment, CPU ns) while a step is recorded
@@ -41,15 +41,15 @@ SEGMENTS = [  # (owner, attribute, segment)
     (_PipelineStageBase, "backward_one_chunk", "backward chunks"),
     (schedules, "_batch_p2p", "schedule's posts"),
     (schedules, "_wait_batch_p2p", "waits for the other stage"),
-    (pipeline_messages.Messages, "outgoing", "values packed onto messages"),
-    (pipeline_messages.Messages, "incoming", "room for values in receives"),
-    (pipeline_messages.Messages, "arrived", "values unpacked"),
-    (pipeline_direct.DirectSteps, "_hand_direct", "bodies woken by hooks"),
-    (pipeline_direct.DirectSteps, "_event_direct", "bodies woken at chunk events"),
-    (pipeline_messages.Messages, "flush", "batches sent"),
-    (pipeline_checks.RequestChecks, "start_check", "end-of-step check sent"),
-    (pipeline_checks.RequestChecks, "_wait_for_batch", "waits for a batch"),
-    (pipeline_messages.Messages, "finish", "end of the trace (check, sends done)"),
+    (messages.Messages, "outgoing", "values packed onto messages"),
+    (messages.Messages, "incoming", "room for values in receives"),
+    (messages.Messages, "arrived", "values unpacked"),
+    (direct.DirectSteps, "_hand_direct", "bodies woken by hooks"),
+    (direct.DirectSteps, "_event_direct", "bodies woken at chunk events"),
+    (messages.Messages, "flush", "batches sent"),
+    (checks.RequestChecks, "start_check", "end-of-step check sent"),
+    (checks.RequestChecks, "_wait_for_batch", "waits for a batch"),
+    (messages.Messages, "finish", "end of the trace (check, sends done)"),
 ]
 
 

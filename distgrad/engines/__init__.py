@@ -1,12 +1,26 @@
-"""Engines: one file per way of running a model. ``select`` picks the one for a wrapped object."""
+"""Engines: one file per way of running a model, behind ``base.Engine``; ``select`` picks the one
+for a wrapped object.
+
+* ``local.py``, ``ddp.py``, ``fsdp1.py``, ``fsdp2.py``, ``deepspeed.py``, ``accelerate.py``,
+  ``tensor_parallel.py``: one engine each;
+* ``ranks/``: what every multi-process engine shares (ranks, failure, the end-of-trace gather);
+* ``pipeline/``: pipeline parallelism (torch's schedules and DeepSpeed's pipeline engine).
+"""
 from __future__ import annotations
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from .base import Engine
-from .local import LocalEngine
 from ..torch_internals import pipeline_schedule_class
 from ..wrappers import compiled_inner
+from . import tensor_parallel
+from .accelerate import AccelerateEngine, PreparedWithoutAccelerator
+from .base import Engine
+from .ddp import DDPEngine
+from .deepspeed import DeepSpeedEngineAdapter
+from .fsdp2 import FSDP2Engine, is_fully_sharded
+from .local import LocalEngine
+from .pipeline import DeepSpeedPipeEngine, PipelineEngine
 
 
 def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None, *,
@@ -18,7 +32,6 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
     if isinstance(obj, Engine):
         return obj
     if _is_pipeline_schedule(obj):
-        from .pipeline import PipelineEngine
         return PipelineEngine(obj, full_model)
     compiled = compiled_inner(obj)
     if compiled is not None and accelerator is None:
@@ -30,10 +43,8 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
             return engine
     if accelerator is None and not inner and getattr(obj, "_is_accelerate_prepared", False):
         # prepared by accelerate, wrapped without its accelerator (accelerate.py)
-        from .accelerate import PreparedWithoutAccelerator
         return PreparedWithoutAccelerator(obj, select(obj, inner=True))
     if isinstance(obj, torch.nn.Module) and accelerator is None:
-        from . import tensor_parallel
         parallel = tensor_parallel.find_parallel_modules(obj)
         if parallel:
             return tensor_parallel.select_engine(obj, parallel, tp_shards)
@@ -41,24 +52,19 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
         raise ValueError("distgrad.wrap(..., tp_shards=...) is for models split with "
                          "parallelize_module, and this one is not.")
     if accelerator is not None:
-        from .accelerate import AccelerateEngine
         return AccelerateEngine(obj, accelerator, select(obj, inner=True))
     if type(obj).__name__ == "PipelineEngine" and type(obj).__module__.startswith("deepspeed"):
-        from .deepspeed_pipe import DeepSpeedPipeEngine
         return DeepSpeedPipeEngine(obj, full_model)
     if type(obj).__name__ == "DeepSpeedEngine":  # no import: deepspeed is optional and slow
-        from .deepspeed import DeepSpeedEngineAdapter
         return DeepSpeedEngineAdapter(obj)
-    from torch.nn.parallel import DistributedDataParallel
     if isinstance(obj, DistributedDataParallel):
-        from .ddp import DDPEngine
         return DDPEngine(obj)
+    # torch.distributed.fsdp takes half a second to import: only when a model may use it
     from torch.distributed.fsdp import FullyShardedDataParallel
     if isinstance(obj, FullyShardedDataParallel):
-        from .fsdp1 import FSDP1Engine
+        from .fsdp1 import FSDP1Engine  # (imports torch.distributed.fsdp)
         return FSDP1Engine(obj)
     if is_fully_sharded(obj):
-        from .fsdp2 import FSDP2Engine
         return FSDP2Engine(obj)
     if isinstance(obj, torch.nn.Module):
         return LocalEngine(obj)
@@ -70,12 +76,6 @@ def _is_pipeline_schedule(obj) -> bool:
     return schedule_class is not None and isinstance(obj, schedule_class)
 
 
-def is_fully_sharded(obj) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(obj, FSDPModule)
-
-
-__all__ = ["Engine", "LocalEngine", "select"]
+__all__ = ["Engine", "LocalEngine", "DDPEngine", "FSDP2Engine", "AccelerateEngine",
+           "DeepSpeedEngineAdapter", "PipelineEngine", "DeepSpeedPipeEngine", "select",
+           "is_fully_sharded"]

@@ -1,8 +1,11 @@
 """The one interface between the tracing core and a parallel engine.
 
-The core (trace, sessions, backward blocks) uses only these attributes and methods; each engine (DDP, FSDP,
-DeepSpeed, accelerate, tensor and pipeline parallel) is one file that implements them. The
-single-process engine is ``local.py``.
+The core (``trace.py``, ``envoy.py``, ``backward.py``, ``invoke.py``) uses an engine only through
+the attributes and methods of ``Engine`` below; each engine (DDP, FSDP, DeepSpeed, accelerate,
+tensor and pipeline parallel) is one file, or one folder, that implements them. The
+single-process engine is ``local.py``. An engine that runs the trace body itself
+(``captures_body``) serves the body's requests through the core's own seam: each body it runs
+holds a ``requests.Requests`` of the engine's making.
 """
 from __future__ import annotations
 
@@ -20,16 +23,21 @@ class Engine:
     * ``root`` is the module whose output is ``model.output``.
     """
 
+    #: The engine's short name (``"ddp"``, ``"fsdp2"``, ...), for messages and for the user.
     name = "base"
-    # How hook values are shown to the body: None shows them as they are. Tensor parallelism
-    # sets a ``TensorParallelViews`` (whole values in, shards out); see tensor_parallel.py.
+    #: How hook values are shown to the body. The core reads it when it opens a forward or a
+    #: backward block's session and hands it to that session. None (the default) shows values as
+    #: they are; tensor parallelism sets a ``TensorParallelViews`` (whole values in, shards out;
+    #: ``tensor_parallel.py``).
     views = None
-    # Whether a trace body may run as a generator resumed by the run's hooks (the core's fast
-    # path, generator_run.py): only where the forward and backward are plain calls on one thread.
+    #: Whether a trace body may run as a generator resumed by the run's hooks (the core's fast
+    #: path, ``generator_run.py``). The core reads it when a trace opens. Default False; true
+    #: only where the forward and backward are plain calls on one thread.
     generator_bodies = False
-    # Whether the engine runs the trace body itself, once per piece of the step (pipeline
-    # parallelism: once per microbatch). The core then captures the body's code when the trace
-    # opens, skips it where the user wrote it, and hands it to ``run_captured``.
+    #: Whether the engine runs the trace body itself, once per piece of the step (pipeline
+    #: parallelism: once per microbatch). The core reads it when a trace opens; if true it
+    #: captures the body's code, skips it where the user wrote it, and hands it to
+    #: ``run_captured`` when the block ends. Default False: the body runs where it is written.
     captures_body = False
 
     def __init__(self, wrapped: Any):
@@ -37,57 +45,80 @@ class Engine:
 
     @property
     def model(self) -> torch.nn.Module:
+        """The user's module tree, whose paths the body names. The core reads it once, when
+        ``distgrad.wrap`` builds the ``Model``. Every engine defines it."""
         raise NotImplementedError
 
     @property
     def root(self) -> torch.nn.Module:
+        """The module whose output is ``model.output``. The core reads it when the ``Model`` is
+        built and when a trace first arms a hook point. Default: ``model``."""
         return self.model
 
     def forward(self, args: tuple, kwargs: dict):
+        """Run the wrapped object's forward on the trace's inputs. The core calls it as the
+        forward session's run, once per trace (once per batch with invokes). Every engine
+        defines it."""
         raise NotImplementedError
 
     def generate(self, args: tuple, kwargs: dict):
+        """Run generation, for ``model.generate(...)`` traces, as ``forward`` for ``trace``.
+        Default: ``model.generate(*args, **kwargs)``."""
         return self.model.generate(*args, **kwargs)
 
     def backward(self, tensor: torch.Tensor, fn, args: tuple, kwargs: dict):
-        """Run the real backward of ``tensor`` (``fn`` is the unpatched ``Tensor.backward``)."""
+        """Run the real backward of ``tensor`` (``fn`` is the unpatched ``Tensor.backward``).
+        The core calls it as the session's run of a ``with loss.backward():`` block inside a
+        trace (once per batch with invokes). Default: ``fn(tensor, *args, **kwargs)``;
+        accelerate runs ``accelerator.backward`` instead."""
         return fn(tensor, *args, **kwargs)
 
     def owns(self, module: torch.nn.Module) -> bool:
-        """Whether this process runs ``module`` (False on pipeline stages that do not)."""
+        """Whether this process runs ``module``. Not called by the core: pipeline engines answer
+        it per stage (their requests ask it), and engines that wrap another pass it on.
+        Default True."""
         return True
 
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        """The user's module behind an engine's per-module wrapper (FSDP1 wraps submodules)."""
+        """The user's module behind an engine's per-module wrapper (FSDP1 wraps submodules).
+        The core calls it for every envoy it makes (each path the body names). Default: the
+        module itself."""
         return module
 
     def param(self, param: torch.nn.Parameter, path: str):
         """What ``model.<path>`` gives for a parameter: one whose ``.grad`` is the full,
-        reduced gradient (a collective on sharded engines) and can be assigned."""
+        reduced gradient (a collective on sharded engines) and can be assigned. The core calls
+        it each time the body reads a parameter through an envoy. Default: the parameter."""
         return param
 
     def begin_trace(self) -> None:
-        """Called on every rank when a trace opens (multi-process engines start watching for
-        a peer's failure)."""
+        """Called on every rank when a trace opens, after the body has been captured or planned
+        (multi-process engines start watching for a peer's failure). Default: nothing."""
 
     def end_trace(self, saves: list, error: BaseException | None):
         """Called on every rank when a trace ends, after its forward and backward finished.
 
         ``saves`` holds ``(value, gather, dim)`` per ``.save()``. Without ``error``: make the saved
         values global (one process: nothing to do). With ``error``: tell the other ranks. Returns
-        an exception to raise instead of ``error``, or None."""
+        an exception to raise instead of ``error``, or None (the default)."""
         return None
 
     def run_captured(self, trace, code, names: tuple, frame) -> None:
         """Run the captured trace body (``code``, compiled from the user's block; ``names``: the
         locals it binds; ``frame``: the user's frame, to give those names back). Called when the
-        block ends, by engines with ``captures_body`` only."""
+        block ends, by engines with ``captures_body`` only. Each body it runs holds the engine's
+        own ``requests.Requests``, which serves that body's requests. Default: raises
+        ``NotImplementedError``."""
         raise NotImplementedError(f"{type(self).__name__} does not capture trace bodies")
 
     @property
     def rank(self) -> int:
+        """This process's rank in the group saves are gathered over. Not called by the core
+        (for users and engines). Default 0."""
         return 0
 
     @property
     def world_size(self) -> int:
+        """The size of that group. Not called by the core (for users and engines). Default 1."""
         return 1
+

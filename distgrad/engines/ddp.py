@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import torch
-from .distributed import DistributedEngine
+from .ranks import DistributedEngine
 
 
 class DDPEngine(DistributedEngine):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .distributed import DistributedEngine
+from .ranks import DistributedEngine
 
 
 class DeepSpeedEngineAdapter(DistributedEngine):
@@ -46,7 +46,7 @@ class ZeroParam:
     def __init__(self, param, path, agree=lambda label: None):
         object.__setattr__(self, "param", param)
         object.__setattr__(self, "path", path)
-        object.__setattr__(self, "agree", agree)  # before each collective (agreement.py)
+        object.__setattr__(self, "agree", agree)  # before each collective (ranks/agreement.py)
 
     @property
     def grad(self):

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from ..torch_internals import submodules
-from .distributed import DistributedEngine
+from .ranks import DistributedEngine
 
 _WRAPPER_CHILDREN = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
@@ -46,7 +46,7 @@ class FullParam:
         object.__setattr__(self, "root", root)
         object.__setattr__(self, "param", param)
         object.__setattr__(self, "path", path)
-        object.__setattr__(self, "agree", agree)  # before each collective (agreement.py)
+        object.__setattr__(self, "agree", agree)  # before each collective (ranks/agreement.py)
 
     @property
     def grad(self):

@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from .distributed import DistributedEngine
+from .ranks import DistributedEngine
 
 
 class FSDP2Engine(DistributedEngine):
@@ -21,13 +21,23 @@ class FSDP2Engine(DistributedEngine):
         return ShardedParam(param, path, self.agree)
 
 
+def is_fully_sharded(obj) -> bool:
+    """Whether ``obj`` is a module ``fully_shard`` has sharded."""
+    # torch.distributed.fsdp takes half a second to import: only when a model is checked
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(obj, FSDPModule)
+
+
 class ShardedParam:
     """A DTensor parameter seen whole: ``.grad`` gathers, ``.grad = full`` scatters locally."""
 
     def __init__(self, param, path: str, agree=lambda label: None):
         object.__setattr__(self, "param", param)
         object.__setattr__(self, "path", path)
-        object.__setattr__(self, "agree", agree)  # before each collective (agreement.py)
+        object.__setattr__(self, "agree", agree)  # before each collective (ranks/agreement.py)
 
     @property
     def grad(self):

@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ..torch_internals import closure_cells, forward_hooks, forward_pre_hooks, pytree, version
-from .distributed import DistributedEngine
-from .fsdp2 import ShardedParam
+from .ddp import DDPEngine
+from .fsdp2 import FSDP2Engine, ShardedParam, is_fully_sharded
+from .ranks import Agreement, DistributedEngine
 
 
 # -- reading the plan back from the hooks ----------------------------------------------------
@@ -231,7 +233,7 @@ class TensorParallelViews:
 
     def _gathered(self, local: torch.Tensor, mesh, placements, label: str, otherwise):
         """The whole of a shard through the agreement's one collective, which also checks that
-        every rank is at this value (agreement.py). Where the mesh is not on the CPU or the
+        every rank is at this value (ranks/agreement.py). Where the mesh is not on the CPU or the
         value is not one shard of a 1-D mesh: an agreement (on the CPU), then ``otherwise()``
         (DTensor's gather)."""
         if (self.agreement is None or len(placements) != 1 or not placements[0].is_shard()
@@ -243,7 +245,7 @@ class TensorParallelViews:
         return _Joined.apply(local, placements[0].dim % local.dim(), coord, *pieces)
 
     def _agree(self, label: str) -> None:
-        """Every rank is at this value before the gather (agreement.py)."""
+        """Every rank is at this value before the gather (ranks/agreement.py)."""
         if self.agreement is not None:
             self.agreement.agree(label)
 
@@ -271,8 +273,6 @@ class TensorParallelEngine(DistributedEngine):
 def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
     """The engine for a model ``parallelize_module`` touched: tensor parallel alone, or under
     FSDP2 / DDP on the other dimension of a 2-D mesh (saves are gathered over that one)."""
-    from torch.nn.parallel import DistributedDataParallel
-    from . import is_fully_sharded
     model = obj.module if isinstance(obj, DistributedDataParallel) else obj
     named = {}
     for name, dim in (shards or {}).items():
@@ -284,16 +284,13 @@ def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
                              f"them, e.g. 'model.layers.0'.") from None
     views = TensorParallelViews(parallel, named)
     if isinstance(obj, DistributedDataParallel):
-        from .ddp import DDPEngine
         engine = DDPEngine(obj)
     elif is_fully_sharded(obj):
-        from .fsdp2 import FSDP2Engine
         engine = FSDP2Engine(obj, group=_data_group(obj, views.mesh))
     else:
         engine = TensorParallelEngine(obj, views)
     engine.views = views
-    if views.mesh.device_type == "cpu":  # no gather waits forever (agreement.py)
-        from .agreement import Agreement
+    if views.mesh.device_type == "cpu":  # no gather waits forever (ranks/agreement.py)
         views.agreement = Agreement(engine, "views", views.mesh)
     return engine
 

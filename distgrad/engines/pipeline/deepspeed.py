@@ -9,7 +9,7 @@
             g = h.grad.save()
             h.grad = h.grad * 2
 
-Everything but how the step runs is ``pipeline.py``'s: the body runs once per microbatch on every
+Everything but how the step runs is ``engine.py``'s: the body runs once per microbatch on every
 rank, values cross stages from their owner. Here:
 
 * **The step** is ``engine.train_batch(iter(microbatches))``; the list must hold
@@ -29,10 +29,12 @@ rank, values cross stages from their owner. Here:
 """
 from __future__ import annotations
 
-from .pipeline import PipelineEngine
+from .engine import PipelineEngine
 
 
 class DeepSpeedPipeEngine(PipelineEngine):
+    """DeepSpeed's pipeline engine (a ``PipelineModule`` run by ``train_batch``), wrapped
+    with the whole model for its paths; see the module text."""
     name = "deepspeed-pipe"
 
     def __init__(self, engine, full_model):

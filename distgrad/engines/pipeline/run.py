@@ -1,24 +1,29 @@
-"""One pipeline trace (see ``pipeline.py``): the schedule's step as the run, one body per
+"""One pipeline trace (see ``engine.py``): the schedule's step as the run, one body per
 microbatch as a coroutine of it, values of other stages received at the moments the module text
-of ``pipeline.py`` lists, and the saved names joined across microbatches at the end. What each
-body asks for is served by ``pipeline_requests.py``. On one thread the step runs on the trace's
-stack and its hooks wake the bodies (``pipeline_direct.py``); in thread mode (CUDA) it runs in a
+of ``engine.py`` lists, and the saved names joined across microbatches at the end. What each
+body asks for is served by ``requests.py``. On one thread the step runs on the trace's
+stack and its hooks wake the bodies (``direct.py``); in thread mode (CUDA) it runs in a
 worker thread and ``_schedule`` below runs the bodies in turns."""
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import greenlet
+import torch
 
-from .. import capture
-from ..backward import step_threaded
-from ..points import add_tensor_hook
-from ..run import BodyRunners
-from ..session import BODIES, Body, Session
-from .pipeline import LossPoint, PipelineEngine, joined
-from .pipeline_direct import DirectSteps
-from .pipeline_messages import MOST_MICROBATCHES, Messages
-from .pipeline_requests import BodyRequests
+from ... import capture
+from ...backward import step_threaded
+from ...capture import NotSaved
+from ...points import add_tensor_hook
+from ...run import BodyRunners
+from ...session import BODIES, Body, Session
+from .direct import DirectSteps
+from .messages import MOST_MICROBATCHES, Messages
+from .requests import BodyRequests
+
+if TYPE_CHECKING:  # (engine.py imports this module to run a trace)
+    from .engine import PipelineEngine
 
 
 class MicrobatchBody(Body):
@@ -270,3 +275,49 @@ class _Phase(str):
 
 
 _PHASES = {p: _Phase(p) for p in ("F", "B", "F-end")}
+
+
+# -- the loss's hand-over point, and the saved names joined across microbatches -------------
+class LossPoint:
+    """Where the last stage hands over a microbatch's loss (a point with nothing to remove)."""
+    kind = "output"
+
+    def remove(self):
+        pass
+
+
+def joined(names: list[str], bodies: list, spaces: list[dict]) -> dict:
+    """Each saved name: the microbatches' values concatenated on the save's ``dim`` (0 by
+    default; 0-dim values are stacked); a list, tuple or dict of saved values comes back joined
+    item by item."""
+    saved = {id(entry[0]): entry[2] for body in bodies for entry in body.saves}
+    out = {}
+    for name in names:
+        values = [space.get(name, _MISSING) for space in spaces]
+        value = _join(values, saved)
+        out[name] = value if value is not _MISSING else NotSaved(
+            name, "in the body of a pipeline trace (it runs once per microbatch)")
+    return out
+
+
+_MISSING = object()
+
+
+def _join(values: list, saved: dict):
+    first = values[0]
+    if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and id(v) in saved
+                                               for v in values):
+        dim = saved[id(first)]
+        values = [v.detach() for v in values]
+        return torch.stack(values) if first.dim() == 0 else torch.cat(values, dim=dim)
+    if isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first)
+                                                for v in values):
+        items = [_join([v[i] for v in values], saved) for i in range(len(first))]
+        return _MISSING if any(i is _MISSING for i in items) else type(first)(items)
+    if isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys()
+                                       for v in values):
+        if all(id(v) in saved for v in values):  # distgrad.save(a_dict): its tensors, joined
+            saved = {**saved, **{id(t): saved[id(v)] for v in values for t in v.values()}}
+        items = {k: _join([v[k] for v in values], saved) for k in first}
+        return _MISSING if any(i is _MISSING for i in items.values()) else items
+    return _MISSING

@@ -1,8 +1,8 @@
-"""Values between pipeline stages: what ``pipeline_run.py`` sends from a value's owner to the
+"""Values between pipeline stages: what ``run.py`` sends from a value's owner to the
 other ranks.
 
 Values travel in *batches*: every value an owner sends to one rank for one delivery moment of the
-receiver (``("F", m)``, ``("B", m)`` or ``"end"``, see ``pipeline.py``) goes together, sent
+receiver (``("F", m)``, ``("B", m)`` or ``"end"``, see ``engine.py``) goes together, sent
 when the owner's chunk that produced them ends (``"end"``: when its bodies are done, or its step
 ends if that comes first). That moment causally precedes the receiver's event, so a receiver
 never waits for a sender that waits for it.
@@ -10,7 +10,7 @@ Between neighbouring stages a batch rides on the schedule's own message of that 
 activation forward, the input gradient backward; ``outgoing``, ``incoming``, ``arrived``). Every
 other batch is a message of its own on a gloo group of distgrad's, apart from the schedule's
 traffic. What every rank's bodies asked of every other is compared across ranks when the step
-ends (``pipeline_checks.py``).
+ends (``checks.py``).
 
 gloo's point-to-point is a rendezvous (the bytes move only once both sides have posted), so a
 receive posted at the moment the value is needed costs round trips between two busy processes.
@@ -22,8 +22,9 @@ every rank runs the same body, so both sides name the same batch.
 A receive is never waited for with a timeout: when a timed gloo receive expires, gloo closes
 every connection of the group, so a peer that is merely slow (a long stage) would break the job.
 A batch whose first bytes have landed is waited for in place; until they land, the buffer is
-polled, and every ``config.failure_timeout`` seconds the job's failure key and the peer's list of
-sends are read (``_wait_for_batch``, in ``pipeline_checks.py``).
+polled, the failure watcher's news looked at every 0.1 s, and every ``config.failure_timeout``
+seconds the job's failure key and the peer's list of sends are read (``_wait_for_batch``, in
+``checks.py``).
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ import struct
 
 import torch
 
-from ..errors import OutOfOrderError
-from .collective import DTYPE_CODE, DTYPES
-from .pipeline_checks import RequestChecks
+from ...errors import OutOfOrderError
+from ..ranks.gather import DTYPE_CODE, DTYPES
+from .checks import RequestChecks
 
 _string_at = ctypes.string_at  # the bytes at an address: one copy, nothing else made
 

@@ -1,18 +1,19 @@
 """What a pipeline body asks for (``.output``/``.input``, ``tr.loss``, ``.grad``, the backward
 block) and where each value comes from: this rank's own stage, paused at the value, or the rank
-whose stage runs it, waited for. A mixin of ``PipelineRun`` (``pipeline_run.py``), which holds
+whose stage runs it, waited for. A mixin of ``PipelineRun`` (``run.py``), which holds
 the state these methods read: the session, the messages, the events fired and the bodies'
 waits."""
 from __future__ import annotations
 
+import dis
 import sys
 
 import torch
 
-from ..errors import OutOfOrderError, TraceStateError
-from ..requests import Requests
-from ..session import Stop
-from .pipeline import moment, only_opens_block
+from ...envoy import Envoy
+from ...errors import OutOfOrderError, TraceStateError
+from ...requests import Requests
+from ...session import Stop
 
 
 class BodyRequests(Requests):
@@ -74,7 +75,7 @@ class BodyRequests(Requests):
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 # another stage of this rank may use it in an edit
                 self._note_reach(value, f"{path}.{kind}", stage, body.index)
-        # its bytes as they are now (pipeline_messages._entry): an in-place edit the body
+        # its bytes as they are now (messages._entry): an in-place edit the body
         # makes next, every other rank makes on its copy too
         self._send(value, tag, body.index, True, stage)
         body.at = (at, stop.replacement, stop)
@@ -166,7 +167,7 @@ class BodyRequests(Requests):
         event after which it has passed marked on the body while it waits (the scheduler's
         marks read it; a stale mark would wake the body at the wrong event later)."""
         body.passed_at = passed_at
-        self.marks[passed_at] = body  # (the direct step's marks: pipeline_direct.py)
+        self.marks[passed_at] = body  # (the direct step's marks: direct.py)
         try:
             return self.session.request(body, key, passed_message)
         finally:
@@ -175,7 +176,7 @@ class BodyRequests(Requests):
 
     def _send(self, value, tag: int, microbatch: int, forward: bool, stage: int) -> None:
         """Queue a value of this rank's ``stage`` for every other rank, in the batch of the
-        moment that rank takes it (the module text of ``pipeline.py``)."""
+        moment that rank takes it (the module text of ``engine.py``)."""
         self.messages.send(value, tag, self._keys(microbatch, forward, stage))
 
     def _moment(self, stage: int, microbatch: int, forward: bool):
@@ -263,7 +264,6 @@ def _as_read(value, kind: str):
 def _reads_first_input() -> bool:
     """Whether this request comes from ``.input`` (read or assigned), not ``.inputs``: the
     envoy's property whose code is on the stack a few frames up (``.inputs`` cannot be sent)."""
-    from ..envoy import Envoy
     first = (Envoy.input.fget.__code__, Envoy.input.fset.__code__)
     frame = sys._getframe(2)
     for _ in range(6):
@@ -278,3 +278,39 @@ def _reads_first_input() -> bool:
 def _passed(path, kind):
     return (f"{path}.{kind} was requested after this stage had run it for the microbatch; read "
             f"module values in forward order.")
+
+
+# -- where a body takes another stage's value, and whether `tr.loss` only opens a block ------
+_SITES: dict = {}  # (code, offset) -> whether `tr.loss` read there only opens a block
+
+
+def moment(stages, stage: int, microbatch: int, forward: bool):
+    """The batch key under which a rank running ``stages`` takes a forward value (or a
+    gradient) of another rank's ``stage``: the first moment of its own at which the owner has
+    certainly sent it (the module text of ``engine.py``). A forward value: the forward of its
+    first stage after ``stage`` (which needed ``stage``'s output), else the backward of its last
+    stage before it (which needed the later stages' gradients). A gradient: the backward of its
+    last stage before ``stage``, else when its step has ended."""
+    if forward:
+        later = [s for s in stages if s > stage]
+        if later:
+            return ("F", later[0], microbatch)
+    earlier = [s for s in stages if s < stage]
+    return ("B", earlier[-1], microbatch) if earlier else "end"
+
+
+def only_opens_block(frame) -> bool:
+    """Whether the `.loss` read at ``frame``'s instruction is `with tr.loss.backward():`, with
+    no `as`: the loss then goes only to the block, which the body cannot reach."""
+    site = (frame.f_code, frame.f_lasti)
+    known = _SITES.get(site)
+    if known is None:
+        ops = [(op.offset, op.opname, op.argval) for op in dis.get_instructions(frame.f_code)
+               if op.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL", "NOP")]
+        at = [i for i, op in enumerate(ops) if op[0] <= frame.f_lasti][-1:]
+        seen = [op[1:] for op in ops[at[0]: at[0] + 5]] if at else []
+        known = _SITES[site] = len(seen) == 5 and seen[0] == ("LOAD_ATTR", "loss") and \
+            seen[1][0] in ("LOAD_METHOD", "LOAD_ATTR") and seen[1][1] == "backward" and \
+            seen[2] == ("CALL", 0) and seen[3][0] in ("BEFORE_WITH", "SETUP_WITH") and \
+            seen[4][0] == "POP_TOP"
+    return known

@@ -16,7 +16,7 @@ microbatches' values concatenated on dim 0, on every rank.
 
 A value of a module another stage runs is the real value, sent by its owner: every rank runs the
 same body, so the owner serves the same request and sends what it got to every other rank, in one
-message per receiving rank and moment below (``pipeline_messages.py``). The receiver takes it
+message per receiving rank and moment below (``messages.py``). The receiver takes it
 only at a moment when the owner has certainly sent it, which makes waiting safe in every schedule:
 
 * a forward value of an earlier stage: at the start of the forward of the microbatch on this
@@ -26,12 +26,12 @@ only at a moment when the owner has certainly sent it, which makes waiting safe 
 * a gradient of a stage after all of this rank's: when this rank's step has finished.
 
 Batches are named by that moment of the receiver, ``(phase, receiving stage, microbatch)`` or
-``"end"`` (``moment``). With the round-robin placement of interleaved and looped
+``"end"`` (``requests.moment``). With the round-robin placement of interleaved and looped
 schedules each rank has one stage between any two of another rank's, so a batch has one
 sending stage, and between neighbouring stages it rides on the schedule's own message.
 
 ``with tr.loss.backward():`` uses the loss only to open the block, so there no rank waits for it
-and none sends it (``only_opens_block``).
+and none sends it (``requests.only_opens_block``).
 
 An assignment to another stage's value is applied by its owner (which runs the same line); other
 ranks keep it in their copy only. A value read back after an assignment is what the owner's read
@@ -55,27 +55,20 @@ the gradient of its own microbatch's loss, as a data-parallel rank sees its own 
 """
 from __future__ import annotations
 
-import dis
-
 import torch
 import torch.distributed as dist
 
-from ..capture import NotSaved
-from ..torch_internals import (replace_schedule_loss_step, restore_schedule_loss_step,
+from ...torch_internals import (replace_schedule_loss_step, restore_schedule_loss_step,
                                schedule_last_loss, schedule_loss_step, schedule_microbatches,
                                schedule_stages)
-from .distributed import DistributedEngine
-
-
-class LossPoint:
-    """Where the last stage hands over a microbatch's loss (a point with nothing to remove)."""
-    kind = "output"
-
-    def remove(self):
-        pass
+from ..ranks import DistributedEngine
+from .run import PipelineRun
 
 
 class PipelineEngine(DistributedEngine):
+    """A ``torch.distributed.pipelining`` schedule, wrapped with the whole model
+    (``full_model``) for its paths: the trace body runs once per microbatch on every rank
+    (see the module text and docs/engines/pipeline.md)."""
     name = "pipeline"
     captures_body = True  # the trace body runs once per microbatch
     generator_bodies = False  # (its bodies are greenlets that the step's hooks wake)
@@ -242,7 +235,6 @@ class PipelineEngine(DistributedEngine):
         return self.stage_of(module) in self.my_stages
 
     def run_captured(self, trace, code, names, frame) -> None:
-        from .pipeline_run import PipelineRun
         PipelineRun(self, trace).run(code, names, frame)
 
 
@@ -284,76 +276,3 @@ def _refuse_split_backward(schedule, stages) -> None:
             f"distgrad.wrap({type(schedule).__name__}): schedules that split the backward into "
             f"input and weight parts (zero-bubble) are not supported; use ScheduleGPipe, "
             f"Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS.")
-
-
-# -- what a trace's body needs, kept here so that the run reads as the schedule -----------
-_SITES: dict = {}  # (code, offset) -> whether `tr.loss` read there only opens a block
-
-
-def moment(stages, stage: int, microbatch: int, forward: bool):
-    """The batch key under which a rank running ``stages`` takes a forward value (or a
-    gradient) of another rank's ``stage``: the first moment of its own at which the owner has
-    certainly sent it (the module text above). A forward value: the forward of its
-    first stage after ``stage`` (which needed ``stage``'s output), else the backward of its last
-    stage before it (which needed the later stages' gradients). A gradient: the backward of its
-    last stage before ``stage``, else when its step has ended."""
-    if forward:
-        later = [s for s in stages if s > stage]
-        if later:
-            return ("F", later[0], microbatch)
-    earlier = [s for s in stages if s < stage]
-    return ("B", earlier[-1], microbatch) if earlier else "end"
-
-
-def only_opens_block(frame) -> bool:
-    """Whether the `.loss` read at ``frame``'s instruction is `with tr.loss.backward():`, with
-    no `as`: the loss then goes only to the block, which the body cannot reach."""
-    site = (frame.f_code, frame.f_lasti)
-    known = _SITES.get(site)
-    if known is None:
-        ops = [(op.offset, op.opname, op.argval) for op in dis.get_instructions(frame.f_code)
-               if op.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL", "NOP")]
-        at = [i for i, op in enumerate(ops) if op[0] <= frame.f_lasti][-1:]
-        seen = [op[1:] for op in ops[at[0]: at[0] + 5]] if at else []
-        known = _SITES[site] = len(seen) == 5 and seen[0] == ("LOAD_ATTR", "loss") and \
-            seen[1][0] in ("LOAD_METHOD", "LOAD_ATTR") and seen[1][1] == "backward" and \
-            seen[2] == ("CALL", 0) and seen[3][0] in ("BEFORE_WITH", "SETUP_WITH") and \
-            seen[4][0] == "POP_TOP"
-    return known
-
-
-def joined(names: list[str], bodies: list, spaces: list[dict]) -> dict:
-    """Each saved name: the microbatches' values concatenated on the save's ``dim`` (0 by
-    default; 0-dim values are stacked); a list, tuple or dict of saved values comes back joined
-    item by item."""
-    saved = {id(entry[0]): entry[2] for body in bodies for entry in body.saves}
-    out = {}
-    for name in names:
-        values = [space.get(name, _MISSING) for space in spaces]
-        value = _join(values, saved)
-        out[name] = value if value is not _MISSING else NotSaved(
-            name, "in the body of a pipeline trace (it runs once per microbatch)")
-    return out
-
-
-_MISSING = object()
-
-
-def _join(values: list, saved: dict):
-    first = values[0]
-    if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and id(v) in saved
-                                               for v in values):
-        dim = saved[id(first)]
-        values = [v.detach() for v in values]
-        return torch.stack(values) if first.dim() == 0 else torch.cat(values, dim=dim)
-    if isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first)
-                                                for v in values):
-        items = [_join([v[i] for v in values], saved) for i in range(len(first))]
-        return _MISSING if any(i is _MISSING for i in items) else type(first)(items)
-    if isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys()
-                                       for v in values):
-        if all(id(v) in saved for v in values):  # distgrad.save(a_dict): its tensors, joined
-            saved = {**saved, **{id(t): saved[id(v)] for v in values for t in v.values()}}
-        items = {k: _join([v[k] for v in values], saved) for k in first}
-        return _MISSING if any(i is _MISSING for i in items.values()) else items
-    return _MISSING

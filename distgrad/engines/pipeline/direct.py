@@ -1,5 +1,5 @@
 """The pipeline step on the trace's own stack: the hook or chunk event that produces what a body
-waits for wakes that body in place (a mixin of ``PipelineRun``, ``pipeline_run.py``).
+waits for wakes that body in place (a mixin of ``PipelineRun``, ``run.py``).
 
 The scheduler loop of ``PipelineRun._schedule`` runs the step in a greenlet of its own and
 pauses it at every value a body waits for, so each pause crossed the scheduler twice: four
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import greenlet
 
-from ..run import Abort
-from ..session import BODIES, Stop
+from ...run import Abort
+from ...session import BODIES, Stop
 
 _getcurrent = greenlet.getcurrent
 

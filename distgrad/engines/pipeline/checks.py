@@ -1,5 +1,5 @@
 """Bodies that ask for different values on different ranks, in a pipeline: how ``Messages``
-(``pipeline_messages.py``) makes them raise on every rank instead of hanging.
+(``messages.py``) makes them raise on every rank instead of hanging.
 
 Every rank runs the same body, so the batches one rank sends another are those the other
 receives. A body with rank-dependent requests (``if rank == 0: x = model.layers[3].output``)
@@ -23,9 +23,9 @@ import zlib
 
 import torch
 
-from ..config import config
-from ..errors import TraceStateError
-from .agreement import ask
+from ...config import config
+from ...errors import TraceStateError
+from ..ranks.agreement import ask
 
 
 class RequestChecks:

@@ -23,8 +23,8 @@ import struct
 import torch
 import torch.distributed as dist
 
-from ..saving import saved_label
-from ..torch_internals import allgather_base, foreach_copy_, set_grad_enabled
+from ...saving import saved_label
+from ...torch_internals import allgather_base, foreach_copy_, set_grad_enabled
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]

@@ -30,14 +30,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..config import config
-from ..errors import RankFailedError
-from ..saving import LabelledSaves
-from ..session import current_body
-from ..torch_internals import default_store, never_free
-from . import collective
+from ...config import config
+from ...errors import RankFailedError
+from ...saving import LabelledSaves
+from ...session import current_body
+from ...torch_internals import default_store, never_free
+from ..base import Engine
+from .gather import Exchange
 from .agreement import Agreement, asked, where
-from .base import Engine
 
 
 class DistributedEngine(Engine):
@@ -62,8 +62,8 @@ class DistributedEngine(Engine):
         self._traces = 0   # traces ended (incremented as end_trace starts)
         self.running = 1  # the number of the trace running, or of the last one (keys use it)
         # gather=False: every rank already holds the global values (tensor parallel alone)
-        self._exchange = (collective.Exchange(self.group, self._rank, self._world,
-                                              wait=self.wait_in_slices) if gather else None)
+        self._exchange = (Exchange(self.group, self._rank, self._world,
+                                   wait=self.wait_in_slices) if gather else None)
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
         self.store = _store()
@@ -105,7 +105,7 @@ class DistributedEngine(Engine):
         self._watch.active.set()
         if self._exchange is not None:
             # name each saved gradient too, so that the gather can check that the ranks saved
-            # the same values (collective.py): the trace's body is current while it opens
+            # the same values (gather.py): the trace's body is current while it opens
             body = current_body()
             if body is not None:
                 body.saves = LabelledSaves(body)
@@ -120,7 +120,7 @@ class DistributedEngine(Engine):
         """Wait for a collective on ``group`` in slices of ``failure_timeout`` seconds, reading
         the failure key after each slice, then calling ``after_slice``. (A timed wait on a
         collective closes nothing; on a gloo receive it would close the whole group: see
-        ``pipeline_messages.py``.) Leaving with the collective still pending keeps ``group``
+        ``../pipeline/messages.py``.) Leaving with the collective still pending keeps ``group``
         for the life of the process (``keep_for_life``)."""
         try:
             while True:

@@ -14,8 +14,8 @@ import greenlet
 import torch
 
 from .errors import TraceStateError
-from .paused import PAUSE_STOP, PAUSED
-from .session import BODIES, UNSET, current_body
+from .interleave.paused import PAUSE_STOP, PAUSED
+from .interleave.session import BODIES, UNSET, current_body
 from .torch_internals import submodules
 from .wrappers import module_path
 
@@ -179,7 +179,7 @@ class Envoy:
             value = stop.view
         if value.__class__ is _Tensor:
             body.labels[id(value)] = (value, self._path, ".output")
-        elif value is not PAUSED:  # PAUSED: a generator body waits (generator_run.py)
+        elif value is not PAUSED:  # PAUSED: a generator body waits (fastpath/driver.py)
             body.remember(value, self._path, ".output")
         return value
 
@@ -206,7 +206,7 @@ class Envoy:
     def input(self):
         """The first positional argument (or, for a call with keywords only, the first keyword's value)."""
         body, stop = self._stop("input")
-        if stop is PAUSE_STOP:  # a generator body waits for the run (generator_run.py)
+        if stop is PAUSE_STOP:  # a generator body waits for the run (fastpath/driver.py)
             return PAUSED
         args, kwargs = stop.replacement if stop.replacement is not UNSET else stop.view
         value = _first(args, kwargs, self._path)

@@ -23,7 +23,7 @@ import torch
 from . import patches
 from .backward import refuse_outside_block, write_grad
 from .errors import check_replacement_grad
-from .session import BODIES, UNSET
+from .interleave.session import BODIES, UNSET
 from .torch_internals import PLAIN_GRAD
 
 _PLAIN = PLAIN_GRAD

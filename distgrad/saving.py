@@ -17,7 +17,7 @@ import torch
 
 from . import patches
 from .errors import TraceStateError
-from .session import BODIES, current_body
+from .interleave.session import BODIES, current_body
 from .torch_internals import view_base
 
 _getcurrent = greenlet.getcurrent

@@ -1,8 +1,8 @@
 """The forward trace: ``with model.trace(inputs):`` and the object ``distgrad.wrap`` returns.
 
 The body runs in place, in the caller's own frame; the model's forward runs as a coroutine of it
-(``run.py``), advancing only as far as the body's next request. So a trace that asks for nothing
-is one plain forward, and every value the body sees is the real tensor of the run.
+(``interleave/run.py``), advancing only as far as the body's next request. So a trace that asks
+for nothing is one plain forward, and every value the body sees is the real tensor of the run.
 """
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import sys
 import greenlet
 import torch
 
-from . import capture, engines, generator_body, patches, wrappers
+from . import capture, engines, patches, wrappers
 from .config import config
 from .envoy import Envoy
 from .errors import TraceStateError, drop_context, forget_frames
-from .generator_run import GeneratorDriver
-from .in_place import InPlace
-from .invoke import Invoke, Invokes
-from .requests import Requests
-from .session import BODIES, Body, current_body
+from .fastpath import GeneratorDriver, plan_for
+from .interleave.in_place import InPlace
+from .interleave.invoke import Invoke, Invokes
+from .interleave.requests import Requests
+from .interleave.session import BODIES, Body, current_body
 
 
 class Model(Envoy):
@@ -64,7 +64,7 @@ class Trace:
 
     Returned by :meth:`Model.trace` and :meth:`Model.generate`; use it as a context manager and,
     for batched inputs, open :meth:`invoke` blocks inside it. What serves the body's requests
-    is chosen as the block opens (``requests``; see ``requests.py``)."""
+    is chosen as the block opens (``requests``; see ``interleave/requests.py``)."""
 
     def __init__(self, model: Model, method: str, args: tuple, kwargs: dict):
         self.model = model
@@ -74,7 +74,7 @@ class Trace:
         self.raw_inputs = (args, kwargs)
         self.invokes: list = []
         self.body: Body | None = None
-        self.requests = None   # what serves the body's requests (requests.py), while open
+        self.requests = None   # what serves the body's requests while open (interleave/requests.py)
         self.mode = None       # how the body ran: "in place", "generator", "invokes", ...
         self.frame = None      # the caller's frame, while the trace runs a body lifted out of it
 
@@ -95,7 +95,7 @@ class Trace:
         elif (self.engine.generator_bodies and self.engine.views is None
               and _generator_bodies(self)):  # (views: values shown whole, the general path)
             frame = sys._getframe(1)
-            plan = generator_body.plan_for(frame)
+            plan = plan_for(frame)
             if plan is not None and plan.allowed(frame.f_locals, frame):
                 self.requests, self.frame = GeneratorDriver(self, plan), frame
                 skip_from = plan.first_line

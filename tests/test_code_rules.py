@@ -17,10 +17,11 @@ TORCH_PRIVATE_ATTRS = {
 # Hot paths that read the attribute inline, each under a comment naming its torch_internals
 # entry: a function call there would cost every read (benchmarks/bytecodes.py counts it).
 INLINE_HOT_PATHS = {
-    ("points.py", "ModulePoint.arm"), ("points.py", "ModulePoint.remove"),
-    ("generator_run.py", "GeneratorDriver.read_grad"),
-    ("session.py", "Stop.__init__"), ("session.py", "Stop.edited"), ("session.py", "Session.request_solo"),
-    ("generator_session.py", "GeneratorSession._grad_ready"),
+    ("interleave/points.py", "ModulePoint.arm"), ("interleave/points.py", "ModulePoint.remove"),
+    ("fastpath/driver.py", "GeneratorDriver.read_grad"),
+    ("interleave/session.py", "Stop.__init__"), ("interleave/session.py", "Stop.edited"),
+    ("interleave/session.py", "Session.request_solo"),
+    ("fastpath/session.py", "GeneratorSession._grad_ready"),
 }
 
 
@@ -56,6 +57,10 @@ def _torch_internal_uses(tree):
     return found
 
 
+def _name(path) -> str:
+    return path.relative_to(PACKAGE).as_posix()
+
+
 def _sources():
     for path in sorted(PACKAGE.rglob("*.py")):
         yield path, ast.parse(path.read_text(), str(path))
@@ -67,7 +72,7 @@ def test_torch_internals_are_reached_through_one_module():
         if path.name == "torch_internals.py":
             continue
         for line, scope, _, what in _torch_internal_uses(tree):
-            if (path.name, scope) not in INLINE_HOT_PATHS:
+            if (_name(path), scope) not in INLINE_HOT_PATHS:
                 outside.append(f"{path.relative_to(PACKAGE)}:{line} ({scope}): {what}")
     assert not outside, "torch internals outside torch_internals.py:\n" + "\n".join(outside)
 
@@ -78,9 +83,9 @@ def test_inline_hot_paths_name_their_entry():
     for path, tree in _sources():
         lines = path.read_text().splitlines()
         for line, scope, start, what in _torch_internal_uses(tree):
-            if (path.name, scope) in INLINE_HOT_PATHS:
+            if (_name(path), scope) in INLINE_HOT_PATHS:
                 above = "\n".join(lines[start - 1:line])
-                assert "torch_internals." in above, f"{path.name}:{line} ({scope}): {what}"
+                assert "torch_internals." in above, f"{_name(path)}:{line} ({scope}): {what}"
 
 
 def test_the_checks_see_what_they_look_for():
@@ -197,3 +202,85 @@ def test_the_core_uses_only_what_engines_declare():
             if role == "getattr" or not hasattr(declared[role], what):
                 undeclared.append(f"{path.relative_to(PACKAGE)}:{line}: {role} {what}")
     assert not undeclared, "undeclared engine interface:\n" + "\n".join(undeclared)
+
+
+# distgrad's modules in layers, lowest first. A module imports only from its own layer or the
+# ones below (at module level: a function-level import is for an optional dependency, never
+# for a distgrad module), so data flows down; and no two modules import each other in a circle.
+CORE_LAYERS = (
+    ("leaves", lambda m: m in {"config", "errors", "torch_internals", "patches", "capture",
+                               "wrappers"}),
+    ("the protocol", lambda m: m.split(".")[0] == "interleave"),
+    ("what a body touches", lambda m: m in {"envoy", "backward", "gradpatch", "saving"}),
+    ("the fast path", lambda m: m.split(".")[0] == "fastpath"),
+    ("engines", lambda m: m.split(".")[0] == "engines"),
+    ("the trace", lambda m: m == "trace"),
+    ("the package", lambda m: m == "__init__"),
+)
+
+
+def _module_name(path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports_of(path, tree):
+    """(line, distgrad module, at module level?) for each import of a distgrad module, with
+    typing-only imports (``if TYPE_CHECKING:``) left out."""
+    package = list(path.relative_to(PACKAGE).parent.parts)
+    known = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    top = {id(node) for node in tree.body}
+    typing_only = {id(node) for block in tree.body if isinstance(block, ast.If)
+                   and ast.unparse(block.test) == "TYPE_CHECKING" for node in ast.walk(block)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        targets = []
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = package[:len(package) - (node.level - 1)] + (node.module or "").split(".")
+            base = ".".join(part for part in base if part)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}" if base else alias.name
+                targets.append(sub if sub in known else base or "__init__")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names]
+            targets += [name[len("distgrad."):] for name in names if name.startswith("distgrad.")]
+        found += [(node.lineno, target, id(node) in top) for target in targets]
+    return found
+
+
+def _layer(module: str):
+    return next((i for i, (_, test) in enumerate(CORE_LAYERS) if test(module)), None)
+
+
+def test_imports_go_down():
+    wrong, graph = [], {}
+    for path, tree in _sources():
+        module = _module_name(path)
+        if module.split(".")[0] == "demo":  # (test_demo_imports_go_down)
+            continue
+        layer = _layer(module)
+        assert layer is not None, f"{module}: in no layer of CORE_LAYERS"
+        for line, target, at_top in _imports_of(path, tree):
+            if target.split(".")[0] == "demo":
+                wrong.append(f"{module}:{line}: imports the demos ({target})")
+            elif not at_top and target != "engines.fsdp1":  # (fsdp: half a second to import)
+                wrong.append(f"{module}:{line}: imports {target} inside a function")
+            elif _layer(target) > layer:
+                wrong.append(f"{module}:{line}: imports {target}, a layer above "
+                             f"({CORE_LAYERS[_layer(target)][0]})")
+            graph.setdefault(module, set()).add(target)
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+    # no circle: repeatedly drop the modules that import nothing left
+    left = {m: {t for t in ts if t != m} for m, ts in graph.items()}
+    while True:
+        done = [m for m, ts in left.items() if not ts & left.keys()]
+        if not done:
+            break
+        for m in done:
+            del left[m]
+    assert not left, f"modules that import one another in a circle: {sorted(left)}"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import distgrad
-from distgrad.session import BODIES
+from distgrad.interleave.session import BODIES
 from conftest import ATOL, PARAM_ATOL, assert_param_grads, hook_count, param_grads
 
 

@@ -9,7 +9,7 @@ import torch
 
 import distgrad
 from distgrad import patches
-from distgrad.session import BODIES
+from distgrad.interleave.session import BODIES
 from conftest import ATOL, PARAM_ATOL, TEXT, assert_param_grads, hook_count, reference
 
 
@@ -87,7 +87,7 @@ def test_thread_mode_reuses_one_worker(mlp, monkeypatch):
 
 
 def _worker_thread():
-    from distgrad.session import current_body
+    from distgrad.interleave.session import current_body
     return current_body().block.session.run.worker.thread
 
 
@@ -198,7 +198,7 @@ def test_invoke_bodies_reuse_runner_greenlets(mlp):
     """Invoke bodies run on the thread's pooled runner greenlets: over many traces, and when one
     invoke raises while another waits mid-body, none is leaked and the pool does not grow."""
     import greenlet
-    from distgrad import run
+    from distgrad.interleave import run
     model = distgrad.wrap(mlp)
     x = torch.randn(2, 8)
     seen = set()  # greenlets that ran a body (kept alive, so an id cannot be reused)

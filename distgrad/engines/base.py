@@ -1,11 +1,11 @@
 """The one interface between the tracing core and a parallel engine.
 
-The core (``trace.py``, ``envoy.py``, ``backward.py``, ``invoke.py``) uses an engine only through
-the attributes and methods of ``Engine`` below; each engine (DDP, FSDP, DeepSpeed, accelerate,
+The core (``trace.py``, ``envoy.py``, ``backward.py``, ``interleave/``) uses an engine only
+through the attributes and methods of ``Engine`` below; each engine (DDP, FSDP, DeepSpeed, accelerate,
 tensor and pipeline parallel) is one file, or one folder, that implements them. The
 single-process engine is ``local.py``. An engine that runs the trace body itself
 (``captures_body``) serves the body's requests through the core's own seam: each body it runs
-holds a ``requests.Requests`` of the engine's making.
+holds an ``interleave.requests.Requests`` of the engine's making.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class Engine:
     #: ``tensor_parallel.py``).
     views = None
     #: Whether a trace body may run as a generator resumed by the run's hooks (the core's fast
-    #: path, ``generator_run.py``). The core reads it when a trace opens. Default False; true
+    #: path, ``fastpath/driver.py``). The core reads it when a trace opens. Default False; true
     #: only where the forward and backward are plain calls on one thread.
     generator_bodies = False
     #: Whether the engine runs the trace body itself, once per piece of the step (pipeline

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import greenlet
 
-from ...run import Abort
-from ...session import BODIES, Stop
+from ...interleave.run import Abort
+from ...interleave.session import BODIES, Stop
 
 _getcurrent = greenlet.getcurrent
 

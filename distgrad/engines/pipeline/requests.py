@@ -12,8 +12,8 @@ import torch
 
 from ...envoy import Envoy
 from ...errors import OutOfOrderError, TraceStateError
-from ...requests import Requests
-from ...session import Stop
+from ...interleave.requests import Requests
+from ...interleave.session import Stop
 
 
 class BodyRequests(Requests):

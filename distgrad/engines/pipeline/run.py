@@ -13,11 +13,11 @@ import greenlet
 import torch
 
 from ... import capture
-from ...backward import step_threaded
 from ...capture import NotSaved
-from ...points import add_tensor_hook
-from ...run import BodyRunners
-from ...session import BODIES, Body, Session
+from ...interleave.gradients import step_threaded
+from ...interleave.points import add_tensor_hook
+from ...interleave.run import BodyRunners
+from ...interleave.session import BODIES, Body, Session
 from .direct import DirectSteps
 from .messages import MOST_MICROBATCHES, Messages
 from .requests import BodyRequests

@@ -32,12 +32,12 @@ import torch.distributed as dist
 
 from ...config import config
 from ...errors import RankFailedError
+from ...interleave.session import current_body
 from ...saving import LabelledSaves
-from ...session import current_body
 from ...torch_internals import default_store, never_free
 from ..base import Engine
-from .gather import Exchange
 from .agreement import Agreement, asked, where
+from .gather import Exchange
 
 
 class DistributedEngine(Engine):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import greenlet
 import torch
 
+from ..errors import OutOfOrderError, check_replacement_grad, describe_tensor
 from . import batching
-from .errors import OutOfOrderError, check_replacement_grad, describe_tensor
 from .points import GradPoint, ModulePoint
 from .run import GreenletRun, ThreadRun
 

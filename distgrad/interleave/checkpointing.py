@@ -30,8 +30,8 @@ from collections import OrderedDict
 import torch
 from torch.utils import checkpoint as _torch_checkpoint
 
-from .torch_internals import (closure_cells, forward_hooks, forward_pre_hooks, grad_enabled,
-                              new_hook_id, pre_hooks_with_kwargs, top_saved_tensor_hooks)
+from ..torch_internals import (closure_cells, forward_hooks, forward_pre_hooks, grad_enabled,
+                               new_hook_id, pre_hooks_with_kwargs, top_saved_tensor_hooks)
 
 _REENTRANT_FORWARD = _torch_checkpoint.CheckpointFunction.forward.__code__
 _FORWARD_PACK = "_checkpoint_hook.__init__.<locals>.pack_hook"

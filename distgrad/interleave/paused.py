@@ -1,4 +1,4 @@
-"""What a request gives back while a generator body must wait for the run (generator_run.py).
+"""What a request gives back while a generator body must wait for the run (fastpath/driver.py).
 
 The rewritten body yields ``PAUSED`` and is resumed with the value. Code that was not rewritten
 (a helper function the body calls) cannot yield, so ``PAUSED`` is poisoned: its first use there
@@ -6,7 +6,7 @@ raises an error that says what to do.
 """
 from __future__ import annotations
 
-from .errors import TraceStateError
+from ..errors import TraceStateError
 from .session import Stop
 
 FAST_PATH_HELP = ("distgrad runs this trace body as a generator (its fast path), and a value was asked "

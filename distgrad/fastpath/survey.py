@@ -1,7 +1,7 @@
 """Which trace bodies may run as generators: the survey, before a body's first run.
 
 A body qualifies when every place it could ask for a value is in the with-block itself, where a
-``yield`` can stand (``generator_run.py`` says why that is faster; ``generator_body.py`` rewrites
+``yield`` can stand (``driver.py`` says why that is faster; ``rewrite.py`` rewrites
 and compiles a body that qualifies). The survey refuses, and the body then runs in place as
 before, when it:
 
@@ -25,6 +25,9 @@ import functools
 import types
 
 import torch
+
+from ..backward import BackwardTracer
+from ..envoy import Envoy
 
 REQUESTS = frozenset(("output", "input", "inputs", "grad"))
 _SAFE_METHODS = frozenset({"save"}).union(*(dir(t) for t in (torch.Tensor, list, dict, set,
@@ -76,12 +79,10 @@ def _callable_ok(obj) -> bool:
     if isinstance(obj, type) and issubclass(obj, BaseException):
         return True  # `raise Error(...)`: an exception's constructor reads no values
     if isinstance(obj, (type, types.FunctionType)):
-        from .backward import BackwardTracer
         module = getattr(obj, "__module__", None) or ""
         return obj is not BackwardTracer and module.split(".")[0] in _TRUSTED
     if isinstance(obj, torch.nn.Module):
         return True
-    from .envoy import Envoy
     return isinstance(obj, Envoy) or not callable(obj)
 
 

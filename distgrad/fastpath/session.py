@@ -1,4 +1,4 @@
-"""The runs and sessions of a trace body run as a generator (``generator_run.py`` drives it).
+"""The runs and sessions of a trace body run as a generator (``driver.py`` drives it).
 
 A ``GeneratorRun`` is a forward or backward that the driver calls on its own stack; a
 ``GeneratorSession`` is its solo session, whose hooks hand each wanted value to the body by
@@ -9,10 +9,10 @@ from __future__ import annotations
 import greenlet
 import torch
 
-from .errors import TraceStateError
-from .paused import FAST_PATH_HELP, PAUSE_STOP
-from .run import Abort, Outcome, outcome_of
-from .session import BODIES, UNSET, Session, passed_error
+from ..errors import TraceStateError
+from ..interleave.paused import FAST_PATH_HELP, PAUSE_STOP
+from ..interleave.run import Abort, Outcome, outcome_of
+from ..interleave.session import BODIES, UNSET, Session, passed_error
 
 _getcurrent = greenlet.getcurrent
 _Tensor = torch.Tensor

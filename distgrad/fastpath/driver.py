@@ -1,12 +1,12 @@
 """A trace body run as a generator that the run's own hooks resume, with no stack switching.
 
-The greenlet design (``run.py``) pauses the model's run in a second greenlet and switches stacks
-twice per value the body asks for. ``benchmarks/marginal.py`` measures that switching alone
+The greenlet design (``interleave/run.py``) pauses the model's run in a second greenlet and
+switches stacks twice per value the body asks for. ``benchmarks/marginal.py`` measures that switching alone
 at about what a read+edit may cost in all (``docs/performance.md``). So where a body
-allows it (``generator_survey.py`` decides; ``generator_body.py`` rewrites each ``.output`` /
+allows it (``survey.py`` decides; ``rewrite.py`` rewrites each ``.output`` /
 ``.grad`` into a ``yield``), the roles turn round: the trace calls the forward (and later the
 backward) itself, on its own stack, and the hook that produces a wanted value resumes the body
-in place with ``gen.send(value)`` (``generator_session.py``). The body runs until it asks for its
+in place with ``gen.send(value)`` (``session.py``). The body runs until it asks for its
 next value and yields; the hook returns what the body put at its stop, and the run goes on.
 
 The protocol with the body, in three marks:
@@ -32,15 +32,16 @@ import greenlet
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import capture, generator_body
-from .backward import grad_passed, grad_stop
-from .envoy import Envoy
-from .errors import TraceStateError, check_replacement_grad
-from .generator_session import GeneratorSession
-from .gradpatch import served
-from .in_place import InPlace
-from .paused import FAST_PATH_HELP, LEAVE, PAUSE_STOP, PAUSED
-from .session import UNSET, passed_error
+from .. import capture
+from ..envoy import Envoy
+from ..errors import TraceStateError, check_replacement_grad
+from ..gradpatch import served
+from ..interleave.gradients import grad_passed, grad_stop
+from ..interleave.in_place import InPlace
+from ..interleave.paused import FAST_PATH_HELP, LEAVE, PAUSE_STOP, PAUSED
+from ..interleave.session import UNSET, passed_error
+from . import rewrite
+from .session import GeneratorSession
 
 _getcurrent = greenlet.getcurrent
 _Tensor = torch.Tensor
@@ -50,7 +51,7 @@ _GRAD_KEY = (None, None)  # a gradient stop's key: driver.grad's stops need none
 class GeneratorDriver(InPlace):
     """The requests of a trace body run as a generator: runs the body's generator, starting
     the runs it waits for (``GeneratorSession``: called on this stack) and resuming it after
-    each. ``plan``: the rewritten body (``generator_body.Plan``); ``body``: the trace's Body,
+    each. ``plan``: the rewritten body (``rewrite.Plan``); ``body``: the trace's Body,
     once the body runs."""
 
     mode = "generator"
@@ -239,7 +240,7 @@ class GeneratorDriver(InPlace):
         """Run the skipped body as a generator, give its names back, finish the forward."""
         plan, frame = self.plan, self.trace.frame
         self.body = self.trace.body
-        gen, out = generator_body.start(plan, frame, frame.f_locals, self)
+        gen, out = rewrite.start(plan, frame, frame.f_locals, self)
         self.attach(gen)
         try:
             self.drive()

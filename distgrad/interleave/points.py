@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..torch_internals import add_tensor_hook, new_hook_id
 from . import checkpointing
-from .torch_internals import add_tensor_hook, new_hook_id
 
 _NO_REPLY = None
 _top_saved_tensor_hooks = checkpointing.top_saved_tensor_hooks

@@ -20,9 +20,10 @@ import weakref
 import greenlet
 import torch
 
-from . import batching, capture
-from .backward import backward_threaded, grad_passed
-from .errors import TraceStateError
+from .. import capture
+from ..errors import TraceStateError
+from . import batching
+from .gradients import backward_threaded, grad_passed
 from .in_place import InPlace
 from .run import BodyRunners
 from .session import BODIES, Body, Session

@@ -15,14 +15,14 @@ The objects, from the simplest:
 * ``InPlace`` (``in_place.py``): the trace body in the caller's frame over one forward, each
   value handed over by a greenlet or a worker thread (``session.py``, ``run.py``).
 * ``Invokes`` (``invoke.py``): several bodies over one batch, served in invoke order.
-* ``GeneratorDriver`` (``generator_run.py``): the body rewritten as a generator, its runs
+* ``GeneratorDriver`` (``fastpath/driver.py``): the body rewritten as a generator, its runs
   called from the trace's own stack.
 * ``PipelineRun`` (``engines/pipeline/run.py``): one body per microbatch of a pipeline
   schedule, values of other ranks' stages received.
 """
 from __future__ import annotations
 
-from .errors import TraceStateError
+from ..errors import TraceStateError
 
 
 class Requests:

@@ -3,15 +3,15 @@
 The trace's one forward (and each backward block's backward) is a ``Session``: a run that
 advances only as far as the body's next request, each value handed over at a hook by a
 greenlet switch or, where hooks fire on other threads, a worker thread (``run.py``). The
-invokes (``invoke.py``) and the generator bodies (``generator_run.py``) build on this class.
+invokes (``invoke.py``) and the generator bodies (``fastpath/driver.py``) build on this class.
 """
 from __future__ import annotations
 
 import torch
 
+from ..errors import OutOfOrderError, TraceStateError
 from . import batching
-from .backward import backward_threaded, close_session, grad_stop
-from .errors import OutOfOrderError, TraceStateError
+from .gradients import backward_threaded, close_session, grad_stop
 from .requests import Requests
 from .session import UNSET, Session
 

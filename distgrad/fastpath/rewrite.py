@@ -1,6 +1,6 @@
 """The rewrite that turns a trace body into a generator, and its compiled plan.
 
-``generator_survey.py`` decides whether a body qualifies; this file rewrites one that does:
+``survey.py`` decides whether a body qualifies; this file rewrites one that does:
 ``X.output`` (and ``.grad``) becomes ``(v if (v := X.output) is not PAUSED else
 (yield v))``; ``.input`` / ``.inputs`` are read again after the pause; an assignment
 ``X.output = e`` first makes sure the run is at ``X``; ``with t.backward():`` leaves the forward
@@ -12,9 +12,9 @@ from __future__ import annotations
 import ast
 import types
 
-from . import capture
-from .generator_survey import REQUESTS, Survey, checks_pass, has_request, is_backward
-from .paused import PAUSED
+from .. import capture
+from ..interleave.paused import PAUSED
+from .survey import REQUESTS, Survey, checks_pass, has_request, is_backward
 
 _ARGS = ("_dg_out", "_dg_ns", "_dg_P", "_dg_leave", "_dg_ready", "_dg_body", "_dg_output",
          "_dg_grad", "_dg_set_grad", "_dg_save")

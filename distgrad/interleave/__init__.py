@@ -1,0 +1,21 @@
+"""The one protocol: a body asks for a value, the run goes on until the hook that makes it
+fires, the hook hands the value over and waits, the body reads or replaces it, and its next
+request sends the reply back to the hook.
+
+* ``requests.py``: ``Requests``, the seam: what a body asks for, served by one object per trace;
+* ``in_place.py``: ``InPlace``, one body in the caller's frame; ``invoke.py``: ``Invokes``,
+  several bodies over one batch;
+* ``session.py``: ``Body``, ``Stop`` (the body's view of the paused run) and ``Session`` (the
+  points and bodies of one run);
+* ``points.py``: where a hook stops the run (a module call's input or output, a tensor's
+  gradient); ``checkpointing.py``: the same points in a checkpointed block's recompute;
+* ``run.py``: the transports that move control between body and run (a greenlet on the body's
+  thread, or a worker thread where autograd calls hooks on its own threads);
+* ``gradients.py``: the backward's side (``.grad`` requests, which transport a backward needs);
+* ``batching.py``: rows of a batch per invoke; ``paused.py``: what a request gives back to a
+  generator body that must wait (``distgrad/fastpath/``).
+
+Modules here import one another and distgrad's leaves (``config``, ``errors``,
+``torch_internals``, ``capture``) only: the user-facing objects above (trace, envoy, backward
+block) call down into them.
+"""

@@ -24,6 +24,22 @@ _Tensor = torch.Tensor
 
 
 class Envoy:
+    """The envoy of one module; see the module text. Its fields start with an underscore so
+    that every other name reaches the user's module (as in nnsight); the objects that serve
+    requests (``interleave/in_place.py``, ``fastpath/driver.py``, the pipeline's
+    ``requests.py``) read them, and ``interleave.in_place.InPlace`` alone writes ``_kept``:
+
+    * ``_module``: the module (an engine's per-module wrapper unwrapped); ``_path``: the path
+      the user wrote, from ``model``; ``_parent``: the envoy of the enclosing module, None at
+      the root (``_ancestors()``: the enclosing envoys, innermost first); ``_children``: child
+      envoys by attribute name or index;
+    * ``_call``: for ``.call(i)``, which call of the module (None: the next one);
+    * ``_local``: True for ``.local`` under tensor parallelism (the shard, not the whole value);
+    * ``_engine``: the engine of the wrapped model;
+    * ``_kept``: the hook points kept for this envoy between traces, by kind (None until the
+      first request).
+    """
+
     # __dict__ holds child envoys by attribute name once looked up, so that `model.transformer`
     # is a plain attribute read the second time (no __getattr__ call).
     __slots__ = ("_module", "_path", "_children", "_call", "_parent", "_engine", "_local",

@@ -23,7 +23,13 @@ from .interleave.session import BODIES, Body, current_body
 
 
 class Model(Envoy):
-    """What ``distgrad.wrap`` returns: an Envoy of the root module that can open traces."""
+    """What ``distgrad.wrap`` returns: an Envoy of the root module that can open traces.
+
+    A name the user's root module lacks is looked up on the engine's wrapper of it
+    (``engine.root``: the ``DistributedDataParallel``, FSDP1 or DeepSpeed engine), so that
+    ``model.no_sync()`` is the wrapper's own ``no_sync`` and ``accelerator.accumulate(model)``,
+    which looks ``no_sync`` up on the model it is given, reaches it. The module's own names come
+    first, and submodules below the root never fall back: their wrappers are internal."""
 
     __slots__ = ("_engine", "_tokenizer", "_root")
 
@@ -34,6 +40,23 @@ class Model(Envoy):
         # model.output is the output of whatever the engine calls (the wrapper, if any).
         root = self if engine.root is engine.model else Envoy(engine.root, "model", engine=engine)
         object.__setattr__(self, "_root", root)
+
+    def __getattr__(self, name: str):
+        try:
+            return Envoy.__getattr__(self, name)
+        except AttributeError as missing:
+            wrapper = self._engine.root
+            # dunders stay the module's: copy and pickle protocols must not bind to the wrapper
+            if wrapper is self._module or name.startswith("__"):
+                raise
+            try:
+                value = getattr(wrapper, name)
+            except AttributeError:
+                raise AttributeError(f"{missing} Neither has its wrapper "
+                                     f"({type(wrapper).__name__}).") from None
+        if isinstance(value, torch.nn.Module):  # a module is always an envoy
+            return self._forwarded(name, value)
+        return value
 
     def trace(self, *args, **kwargs) -> "Trace":
         """Open a trace of one forward. Text is tokenized; tensors and dicts pass through.

@@ -200,6 +200,19 @@ class Trace:
         return Invoke(self, args, kwargs)
 
     @property
+    def result(self):
+        """In ``with model.generate(...) as tracer:``, what ``generate()`` returned (the
+        generated ids). Reading it runs generation to its end, so read module values before
+        it; ``.save()`` it to keep it after the block (``ids = tracer.result.save()``)."""
+        body = current_body()
+        if body is None or self.requests is None or body.requests is not self.requests:
+            raise TraceStateError(
+                "tracer.result was read outside the body of its trace: it is served inside "
+                "`with model.generate(...) as tracer:`, once generate() has returned. Save it "
+                "there to keep it: ids = tracer.result.save().")
+        return self.requests.result(body)
+
+    @property
     def loss(self):
         """Under a pipeline schedule: this microbatch's loss, as the schedule's ``loss_fn``
         computed it on the last stage; open the backward block on it."""

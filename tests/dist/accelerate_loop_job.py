@@ -10,6 +10,7 @@ Tolerance: fp32, atol 1e-5 (cases.ATOL) for parameters and gradients.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -142,7 +143,6 @@ def case_accumulate_reaches_no_sync(accelerator, rank):
 
 
 def case_model_no_sync_is_ddps(accelerator, rank):
-    import contextlib
     net, _ = prepared(accelerator)
     model = distgrad.wrap(net, accelerator=accelerator)
     assert model.no_sync.__self__ is net, "model.no_sync is not the DDP wrapper's"

@@ -23,7 +23,13 @@ from .interleave.session import BODIES, Body, current_body
 
 
 class Model(Envoy):
-    """What ``distgrad.wrap`` returns: an Envoy of the root module that can open traces."""
+    """What ``distgrad.wrap`` returns: an Envoy of the root module that can open traces.
+
+    A name the user's root module lacks is looked up on the engine's wrapper of it
+    (``engine.root``: the ``DistributedDataParallel``, FSDP1 or DeepSpeed engine), so that
+    ``model.no_sync()`` is the wrapper's own ``no_sync`` and ``accelerator.accumulate(model)``,
+    which looks ``no_sync`` up on the model it is given, reaches it. The module's own names come
+    first, and submodules below the root never fall back: their wrappers are internal."""
 
     __slots__ = ("_engine", "_tokenizer", "_root")
 
@@ -34,6 +40,23 @@ class Model(Envoy):
         # model.output is the output of whatever the engine calls (the wrapper, if any).
         root = self if engine.root is engine.model else Envoy(engine.root, "model", engine=engine)
         object.__setattr__(self, "_root", root)
+
+    def __getattr__(self, name: str):
+        try:
+            return Envoy.__getattr__(self, name)
+        except AttributeError as missing:
+            wrapper = self._engine.root
+            # dunders stay the module's: copy and pickle protocols must not bind to the wrapper
+            if wrapper is self._module or name.startswith("__"):
+                raise
+            try:
+                value = getattr(wrapper, name)
+            except AttributeError:
+                raise AttributeError(f"{missing} Neither has its wrapper "
+                                     f"({type(wrapper).__name__}).") from None
+        if isinstance(value, torch.nn.Module):  # a module is always an envoy
+            return self._forwarded(name, value)
+        return value
 
     def trace(self, *args, **kwargs) -> "Trace":
         """Open a trace of one forward. Text is tokenized; tensors and dicts pass through.
@@ -175,6 +198,19 @@ class Trace:
             self.requests = self.body.requests = Invokes(self)
             self.mode = self.requests.mode
         return Invoke(self, args, kwargs)
+
+    @property
+    def result(self):
+        """In ``with model.generate(...) as tracer:``, what ``generate()`` returned (the
+        generated ids). Reading it runs generation to its end, so read module values before
+        it; ``.save()`` it to keep it after the block (``ids = tracer.result.save()``)."""
+        body = current_body()
+        if body is None or self.requests is None or body.requests is not self.requests:
+            raise TraceStateError(
+                "tracer.result was read outside the body of its trace: it is served inside "
+                "`with model.generate(...) as tracer:`, once generate() has returned. Save it "
+                "there to keep it: ids = tracer.result.save().")
+        return self.requests.result(body)
 
     @property
     def loss(self):

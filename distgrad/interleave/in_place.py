@@ -26,6 +26,7 @@ class InPlace(Requests):
         self.trace = trace
         self.engine = trace.engine
         self.forward: Session | None = None
+        self.generated = UNSET  # what generate() returned, once it has (tracer.result)
         if trace.method == "generate":
             self.backward_refused = (
                 "a backward block cannot be opened in a model.generate() trace: generate() runs "
@@ -49,7 +50,14 @@ class InPlace(Requests):
 
     def forward_call(self, args, kwargs):
         """The forward as a function of nothing: what the session runs."""
-        call = self.engine.generate if self.trace.method == "generate" else self.engine.forward
+        if self.trace.method == "generate":
+            engine = self.engine
+
+            def generate():  # keeps the ids for tracer.result (the run hands on no return value)
+                self.generated = engine.generate(args, kwargs)
+                return self.generated
+            return generate
+        call = self.engine.forward
         return lambda: call(args, kwargs)
 
     def finish_forward(self) -> None:
@@ -63,12 +71,27 @@ class InPlace(Requests):
             if not self.forward.finished:
                 self.forward.abort()
             self.forward.close()
-        self.forward = self.trace = None
+        self.forward = self.trace = self.generated = None
+
+    def result(self, body):
+        """``tracer.result``: runs ``generate()`` to its end (the body's edits at the value it
+        is paused at go back first), then hands over what it returned."""
+        if self.trace.method != "generate":
+            Requests.result(self, body)  # raises: a forward trace has model.output
+        self.finish_forward()
+        if self.generated is UNSET:  # (finish raises generate's own error, if any)
+            raise TraceStateError("tracer.result: generate() did not return.")
+        body.remember(self.generated, "tracer", ".result")
+        return self.generated
 
     # -- module values --------------------------------------------------------------------
     def module_value(self, body, envoy, kind: str):
         module, call = envoy._module, envoy._call
         session = self.forward or self.forward_session()
+        if session.finished and self.trace.method == "generate":
+            raise OutOfOrderError(
+                f"{plain_path(envoy)}.{kind} was requested after generate() had finished "
+                f"(tracer.result runs it to the end). Read module values before tracer.result.")
         if body.block is not None or session.finished:
             raise OutOfOrderError(
                 f"{plain_path(envoy)}.{kind} was requested after the forward had finished. Read "

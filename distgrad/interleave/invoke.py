@@ -70,6 +70,11 @@ class Invokes(InPlace):
         raise TraceStateError("in a trace with invokes, read model values inside the "
                               "`with tracer.invoke(...):` blocks.")
 
+    def result(self, body):
+        raise TraceStateError("tracer.result is not served in a trace with invokes (each "
+                              "invoke's rows would have to be cut out of generate's padded ids): "
+                              "pass the whole batch to model.generate(...) and read it there.")
+
     def run_rest(self) -> None:
         trace = self.trace
         invokes = trace.invokes

@@ -1,8 +1,9 @@
 """The one seam between a with-block body and the run that answers it.
 
-A body asks for five things: a module's value (``.output``, ``.input``, ``.inputs``), opening a
+A body asks for six things: a module's value (``.output``, ``.input``, ``.inputs``), opening a
 backward block, a tensor's gradient inside it (``.grad``, read or assigned), closing the block,
-and, under a pipeline schedule, the microbatch's loss (``tr.loss``). Every ``Body`` holds the
+under a pipeline schedule the microbatch's loss (``tr.loss``), and in a generate trace what
+``generate()`` returned (``tracer.result``). Every ``Body`` holds the
 object that serves it (``Body.requests``); the envoy, the backward block and the ``.grad``
 property call that object and nothing else. Which kind of trace this is - a body in place, a
 batch of invokes, a body run as a generator, a pipeline step - is decided once, when the trace
@@ -40,6 +41,7 @@ class Requests:
     * ``close_backward(body, block, error)``: the block ends, ``error`` the exception leaving
       it or None.
     * ``loss(body)``: ``tr.loss``, the microbatch's loss under a pipeline schedule.
+    * ``result(body)``: ``tracer.result``, what ``generate()`` returned, once it has returned.
     * ``run_rest()``: the body has ended; run what is left of the trace.
     * ``close()``: the trace ends (normally or not): end the runs still open.
 
@@ -68,6 +70,11 @@ class Requests:
     def loss(self, body):
         raise TraceStateError("tracer.loss exists only in a pipeline trace; elsewhere compute "
                               "the loss in the body (loss = model.output.logits.sum()).")
+
+    def result(self, body):
+        raise TraceStateError("tracer.result is what generate() returned: read it in the body "
+                              "of `with model.generate(...) as tracer:`; in model.trace(...) "
+                              "read model.output.")
 
     def run_rest(self) -> None:
         return None

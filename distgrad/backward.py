@@ -104,21 +104,20 @@ class BackwardTracer:
 
     def _scale_loss(self, body: Body) -> None:
         scaler, loss = self.scaler, self.loss
-        label = body.label_of(loss)
+        label = f"backward(scaler=...) on {body.label_of(loss)}"
         if not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(
-                f"{label}.backward(scaler=...) takes a torch.amp.GradScaler (the one whose "
+                f"{label}: scaler= takes a torch.amp.GradScaler (the one whose "
                 f"scaler.step(optimizer) follows), not {type(scaler).__name__}.")
         if not body.requests.unscales:
             raise NotImplementedError(
-                f"{label}.backward(scaler=...) is served in a trace without invokes and "
-                f"outside a pipeline schedule only (this one runs its bodies "
-                f"{body.requests.mode!r}). Open `with scaler.scale({label}).backward():` instead; its "
+                f"{label}: scaler= is served in a trace without invokes and outside a "
+                f"pipeline schedule only (this one runs its bodies {body.requests.mode!r}). Open `with scaler.scale(loss).backward():` instead; its "
                 f"gradients are scaled by scaler.get_scale().")
         if scaled_by(loss, scaler):
             raise ValueError(
-                f"{label}.backward(scaler=...) over a loss that this scaler has already "
-                f"scaled: the backward would scale it twice. Pass the unscaled loss "
+                f"{label}: this scaler has scaled that loss already, so the backward would "
+                f"scale it twice. Pass the unscaled loss "
                 f"(`with loss.backward(scaler=scaler):`), or drop scaler= to see the scaled "
                 f"gradients (`with scaler.scale(loss).backward():`).")
         if scaler.is_enabled():  # a disabled scaler scales nothing: plain gradients

@@ -149,7 +149,7 @@ def test_scaler_misuse_raises(mlp):
         with model.trace(x):
             with model.output.sum().backward(scaler=65536.0):
                 pass
-    with pytest.raises(ValueError, match="already scaled"):
+    with pytest.raises(ValueError, match="has scaled that loss already"):
         with model.trace(x):
             loss = model.output.sum()
             with scaler.scale(loss).backward(scaler=scaler):

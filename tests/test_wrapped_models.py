@@ -171,7 +171,8 @@ def test_lora_grads_read_in_the_body_match_plain_autograd(lora, backward_mode, e
 
 
 def test_lora_grads_under_ddp_match_plain_autograd(tmp_path):
-    """The same on 2 ranks of DDP (gloo): tests/dist/peft_job.py, both body paths."""
+    """The same on 2 ranks of DDP (gloo), and with ``backward(scaler=...)``:
+    tests/dist/peft_job.py, both body paths."""
     import sys
     from pathlib import Path
     here = Path(__file__).parent / "dist"
@@ -182,7 +183,8 @@ def test_lora_grads_under_ddp_match_plain_autograd(tmp_path):
         sys.path.remove(str(here))
     procs = run_ranks([str(here / "peft_job.py"), "--out", str(tmp_path)], 2, timeout=180)
     results = read_results(tmp_path, 2)
-    for case in ("case_lora_grads", "case_lora_grads_after_an_edit"):
+    for case in ("case_lora_grads", "case_lora_grads_after_an_edit",
+                 "case_lora_grads_with_a_scaler"):
         report = case_report(procs, results, case)
         assert not report, report
     for rank, proc in enumerate(procs):

@@ -1,5 +1,5 @@
 """A LoRA model (PEFT) under DDP: its adapters' gradients read in the body, with and without an
-edit of an activation gradient. Started once per rank by tests/test_wrapped_models.py.
+edit of an activation gradient, and with a loss scaler (``backward(scaler=...)``). Started once per rank by tests/test_wrapped_models.py.
 
 The oracle is one process with plain autograd on the global batch (a tensor hook does the
 edit); DDP averages over ranks, so the oracle's gradients are divided by the world size.
@@ -102,6 +102,44 @@ def case_lora_grads_after_an_edit(model, wrapped, rank, world):
     check(model, wrapped, rank, world, 3.0)
 
 
+def case_lora_grads_with_a_scaler(model, wrapped, rank, world):
+    """``backward(scaler=...)`` under DDP: h[0]'s gradient read unscaled and clipped (an edit
+    that is not linear, so one applied to the scaled gradient would give other numbers); the
+    oracle scales its loss, and its hook unscales, clips and scales back by hand."""
+    ids = global_ids(world)
+    local = ids[rank * ROWS:(rank + 1) * ROWS]
+    scale = 2.0 ** 10
+    net, seen = build_lora(), {}
+
+    def on_output(mod, args, out):
+        def on_grad(g):
+            seen["g0"] = g / scale
+            return (g / scale).clamp(-1e-4, 1e-4) * scale
+
+        out.register_hook(on_grad)
+
+    net.base_model.model.transformer.h[0].register_forward_hook(on_output)
+    (net(ids).logits.sum() * SCALE * scale).backward()
+    ref = {name: p.grad for name, p in net.base_model.model.named_parameters() if name in LORA}
+    for mode in ("auto", "greenlet"):
+        distgrad.config.body_mode = mode
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        try:
+            with model.trace(local):
+                h0 = model.transformer.h[0].output
+                with (model.output.logits.sum() * SCALE).backward(scaler=scaler):
+                    g0 = h0.grad.save()
+                    h0.grad = h0.grad.clamp(-1e-4, 1e-4)
+                got = {name: lora_weight(model, name).grad.clone() for name in LORA}
+        finally:
+            distgrad.config.body_mode = "auto"
+        wrapped.zero_grad(set_to_none=True)
+        close(g0, seen["g0"] if rank == 0 else seen["g0"][rank * ROWS:(rank + 1) * ROWS],
+              f"h[0] gradient, unscaled ({mode})")
+        for name in LORA:  # scaled, as PyTorch leaves parameter gradients until scaler.step
+            close(got[name] / scale, ref[name] / scale / world, f"{name} ({mode}, scaler)")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -111,7 +149,8 @@ def main():
     wrapped, _ = wrap_with_engine("ddp", build_lora())
     rank, world = dist.get_rank(), dist.get_world_size()
     model = distgrad.wrap(wrapped)
-    run_cases([case_lora_grads, case_lora_grads_after_an_edit], args.out, rank, model, wrapped,
+    run_cases([case_lora_grads, case_lora_grads_after_an_edit, case_lora_grads_with_a_scaler],
+              args.out, rank, model, wrapped,
               rank, world)
 
 

@@ -114,6 +114,14 @@ class BackwardTracer:
                 f"{label}: scaler= is served in a trace without invokes and outside a "
                 f"pipeline schedule only (this one runs its bodies {body.requests.mode!r}). Open `with scaler.scale(loss).backward():` instead; its "
                 f"gradients are scaled by scaler.get_scale().")
+        engine = body.requests.engine
+        if engine is not None and engine.own_backward:
+            raise NotImplementedError(
+                f"{label}: the {engine.name} engine runs the backward its own way, which scales "
+                f"or divides the loss itself (its own loss scaler, gradient accumulation); a "
+                f"second scaler would scale it again. Configure mixed precision through "
+                f"{engine.name} and open `with loss.backward():`; its gradients are scaled as "
+                f"{engine.name} scales them.")
         if scaled_by(loss, scaler):
             raise ValueError(
                 f"{label}: this scaler has scaled that loss already, so the backward would "

@@ -22,8 +22,9 @@ from . import patches
 from .errors import TraceStateError
 from .interleave.gradients import backward_threaded, close_session, grad_stop
 from .interleave.requests import Requests
+from .interleave.scaling import unscale
 from .interleave.session import BODIES, Body, Session, current_body
-from .torch_internals import TENSOR_MODULE_FILE
+from .torch_internals import TENSOR_MODULE_FILE, scaled_by
 
 
 class BackwardTracer:
@@ -40,12 +41,18 @@ class BackwardTracer:
         *args: passed to ``fn`` (e.g. ``gradient``).
         backend: the engine that runs the backward (a ``distgrad.engines.Engine``); by default the
             trace's engine, or plain ``fn`` outside a trace.
+        scaler: a ``torch.amp.GradScaler``, for mixed precision: the backward runs on
+            ``scaler.scale(tensor)`` (what ``scaler.scale(loss).backward()`` does), and the body
+            sees every gradient unscaled; what it writes there is scaled back before it flows on.
         **kwargs: passed to ``fn`` (e.g. ``retain_graph=True``).
     """
 
     def __init__(self, tensor: torch.Tensor, fn: Callable, *args: Any, backend: Any = None,
-                 **kwargs: Any):
-        self.tensor = tensor
+                 scaler: Any = None, **kwargs: Any):
+        self.tensor = tensor  # the tensor whose backward runs (the scaled loss, with a scaler)
+        self.loss = tensor    # as the user wrote it
+        self.scaler = scaler
+        self.scale: float | None = None  # what the gradients are divided by in the body
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
@@ -75,7 +82,11 @@ class BackwardTracer:
             self._own_body = True
         self._body = body
         try:
+            if self.scaler is not None:
+                self._scale_loss(body)
             body.requests.open_backward(body, self)
+            if self.scale is not None:
+                unscale(self.session, self.scale)
         except BaseException:
             self._leave()
             raise
@@ -90,6 +101,36 @@ class BackwardTracer:
             body.block = None
             self._leave()
         return False
+
+    def _scale_loss(self, body: Body) -> None:
+        scaler, loss = self.scaler, self.loss
+        label = f"backward(scaler=...) on {body.label_of(loss)}"
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"{label}: scaler= takes a torch.amp.GradScaler (the one whose "
+                f"scaler.step(optimizer) follows), not {type(scaler).__name__}.")
+        if not body.requests.unscales:
+            raise NotImplementedError(
+                f"{label}: scaler= is served in a trace without invokes and outside a "
+                f"pipeline schedule only (this one runs its bodies {body.requests.mode!r}). Open `with scaler.scale(loss).backward():` instead; its "
+                f"gradients are scaled by scaler.get_scale().")
+        engine = body.requests.engine
+        if engine is not None and engine.own_backward:
+            raise NotImplementedError(
+                f"{label}: the {engine.name} engine runs the backward its own way, which scales "
+                f"or divides the loss itself (its own loss scaler, gradient accumulation); a "
+                f"second scaler would scale it again. Configure mixed precision through "
+                f"{engine.name} and open `with loss.backward():`; its gradients are scaled as "
+                f"{engine.name} scales them.")
+        if scaled_by(loss, scaler):
+            raise ValueError(
+                f"{label}: this scaler has scaled that loss already, so the backward would "
+                f"scale it twice. Pass the unscaled loss "
+                f"(`with loss.backward(scaler=scaler):`), or drop scaler= to see the scaled "
+                f"gradients (`with scaler.scale(loss).backward():`).")
+        if scaler.is_enabled():  # a disabled scaler scales nothing: plain gradients
+            self.tensor = scaler.scale(loss)
+            self.scale = scaler.get_scale()
 
     def _leave(self):
         if self._own_body:
@@ -197,6 +238,8 @@ def write_grad(body: Body, tensor: torch.Tensor, value) -> None:
 
 class Outside(Requests):
     """The requests of a backward block opened outside any trace: its gradients only."""
+
+    unscales = True
 
     def open_backward(self, body, block) -> None:
         block.session = Session("backward", block.run, [body],

@@ -186,3 +186,20 @@ def never_free(obj) -> None:
     """Take a reference to ``obj`` that nothing gives back: it lives until the process ends
     (module globals are cleared at exit, so a list would not do)."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+# -- loss scaling (torch.amp.GradScaler) --------------------------------------------------------
+def scaled_by(loss: torch.Tensor, scaler) -> bool:
+    """Whether ``loss`` is ``scaler.scale(x)`` for some ``x``: its last operation multiplied by
+    the scaler's own scale tensor (``GradScaler._scale``, which ``scale`` multiplies by as it
+    is; no public API says which scaler, if any, scaled a tensor). Reads the multiplication's
+    saved operand (``MulBackward0._saved_other``); False wherever that cannot be read."""
+    scale = getattr(scaler, "_scale", None)
+    node = loss.grad_fn
+    if scale is None or node is None or type(node).__name__ != "MulBackward0":
+        return False
+    try:
+        other = node._saved_other
+    except RuntimeError:  # freed by an earlier backward, or changed in place since
+        return False
+    return other.data_ptr() == scale.data_ptr() and other.device == scale.device

@@ -111,3 +111,30 @@ def test_accumulation_turned_on_after_wrap_raises_at_the_backward():
     with model.trace(ids):  # the model traces again at once
         logits = model.output.logits.save()
     torch.testing.assert_close(logits, net(ids).logits, atol=1e-6, rtol=0)
+
+
+def test_a_loss_scaler_is_refused_where_accelerate_runs_the_backward():
+    """``accelerator.backward`` scales the loss with accelerate's own scaler (and divides it for
+    accumulation): a ``scaler=`` on top would scale it twice, so it raises. Without
+    ``accelerator=`` the backward is plain and ``scaler=`` shows the plain gradient."""
+    ids = BATCHES[0]
+    plain_net = build_gpt2()
+    seen = {}
+    plain_net.transformer.h[0].register_forward_hook(
+        lambda mod, args, out: seen.setdefault("h0", out))
+    seen_grad = torch.autograd.grad(plain_net(ids).logits.sum() * 1e-3, seen["h0"])[0]
+
+    accelerator = Accelerator(cpu=True)
+    net = accelerator.prepare(build_gpt2())
+    scaler = torch.amp.GradScaler("cpu")
+    with_accelerator = distgrad.wrap(net, accelerator=accelerator)
+    with pytest.raises(NotImplementedError, match="accelerate engine runs the backward"):
+        with with_accelerator.trace(ids):
+            with (with_accelerator.output.logits.sum() * 1e-3).backward(scaler=scaler):
+                pass
+    model = distgrad.wrap(net)
+    with model.trace(ids):
+        h0 = model.transformer.h[0].output
+        with (model.output.logits.sum() * 1e-3).backward(scaler=scaler):
+            g = h0.grad.save()
+    torch.testing.assert_close(g, seen_grad, atol=1e-6, rtol=0)

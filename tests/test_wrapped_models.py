@@ -137,6 +137,60 @@ def test_peft_lora_submodule_output_is_served(lora):
     assert_close(got, seen["b"])
 
 
+LORA = [f"transformer.h.{i}.attn.c_attn.lora_{ab}.default.weight" for i in (0, 1) for ab in "AB"]
+
+
+@pytest.mark.parametrize("edit", [None, 3.0])
+def test_lora_grads_read_in_the_body_match_plain_autograd(lora, backward_mode, edit):
+    """The LoRA weights' gradients read through envoy paths in the body, after the backward
+    block, with h[0]'s output gradient only read or multiplied by ``edit`` (a tensor hook in
+    the oracle)."""
+    inner = lora.base_model.model
+    _, _, _, plain = plain_step(lora, inner.transformer.h[0], scale=1.0, grad_scale=1.0)
+    _, _, _, edited = plain_step(lora, inner.transformer.h[0], scale=1.0,
+                                 grad_scale=1.0 if edit is None else edit)
+    model = distgrad.wrap(lora)
+    with model.trace(IDS):
+        h0 = model.transformer.h[0].output
+        with model.output.logits.sum().backward():
+            if edit is None:
+                h0.grad.save()
+            else:
+                h0.grad = h0.grad * edit
+        got = {}
+        for name in LORA:
+            block, ab = int(name.split(".")[2]), name.split(".")[5]
+            adapter = getattr(model.transformer.h[block].attn.c_attn, ab)["default"]
+            got[name] = adapter.weight.grad.save()
+    for name in LORA:
+        full = "base_model.model." + name
+        assert_close(got[name], edited[full], atol=PARAM_ATOL)
+        if edit is not None:  # it changes h[0]'s adapters (upstream of it), not h[1]'s
+            changed = not torch.allclose(edited[full], plain[full], atol=1e-4)
+            assert changed == name.startswith("transformer.h.0."), name
+
+
+def test_lora_grads_under_ddp_match_plain_autograd(tmp_path):
+    """The same on 2 ranks of DDP (gloo), and with ``backward(scaler=...)``:
+    tests/dist/peft_job.py, both body paths."""
+    import sys
+    from pathlib import Path
+    here = Path(__file__).parent / "dist"
+    sys.path.insert(0, str(here))
+    try:
+        from launch import case_report, read_results, run_ranks
+    finally:
+        sys.path.remove(str(here))
+    procs = run_ranks([str(here / "peft_job.py"), "--out", str(tmp_path)], 2, timeout=180)
+    results = read_results(tmp_path, 2)
+    for case in ("case_lora_grads", "case_lora_grads_after_an_edit",
+                 "case_lora_grads_with_a_scaler"):
+        report = case_report(procs, results, case)
+        assert not report, report
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+
+
 # -- assignments an envoy does not serve --------------------------------------------------------
 @pytest.mark.parametrize("where", ["in a trace", "outside a trace"])
 def test_unserved_assignments_raise_and_change_nothing(gpt2, where):

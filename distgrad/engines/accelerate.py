@@ -49,6 +49,7 @@ class AccelerateEngine(Engine):
     world_size = property(lambda self: self.inner.world_size)
     views = property(lambda self: self.inner.views)
     generator_bodies = property(lambda self: self.inner.generator_bodies)
+    own_backward = True  # accelerator.backward: its scaler, gradient accumulation
 
     def forward(self, args, kwargs):
         return self.inner.forward(args, kwargs)
@@ -79,6 +80,8 @@ class PreparedWithoutAccelerator(AccelerateEngine):
     def __init__(self, wrapped, inner: Engine):
         super().__init__(wrapped, None, inner)
         refuse_if_backward_differs()
+
+    own_backward = False  # a plain backward (refuse_if_backward_differs)
 
     def backward(self, tensor, fn, args, kwargs):
         refuse_if_backward_differs()  # the steps can change after wrap (a setter on the Accelerator)

@@ -39,6 +39,11 @@ class Engine:
     #: captures the body's code, skips it where the user wrote it, and hands it to
     #: ``run_captured`` when the block ends. Default False: the body runs where it is written.
     captures_body = False
+    #: Whether the engine's ``backward`` is its own, which may scale or divide the loss itself
+    #: (``accelerator.backward``, DeepSpeed's ``engine.backward``). The core reads it when a
+    #: block opens with ``scaler=``, and refuses the scaler where it is true: the loss would
+    #: be scaled twice, or by what the engine chose. Default False: a plain backward.
+    own_backward = False
 
     def __init__(self, wrapped: Any):
         self.wrapped = wrapped

@@ -23,6 +23,7 @@ from .ranks import DistributedEngine
 class DeepSpeedEngineAdapter(DistributedEngine):
     name = "deepspeed"
     sharded_params = True
+    own_backward = True  # engine.backward: its fp16 loss scale, gradient accumulation
 
     @property
     def model(self) -> torch.nn.Module:

@@ -12,6 +12,7 @@ request sends the reply back to the hook.
 * ``run.py``: the transports that move control between body and run (a greenlet on the body's
   thread, or a worker thread where autograd calls hooks on its own threads);
 * ``gradients.py``: the backward's side (``.grad`` requests, which transport a backward needs);
+  ``scaling.py``: gradients shown unscaled under a loss scaler (``backward(scaler=...)``);
 * ``batching.py``: rows of a batch per invoke; ``paused.py``: what a request gives back to a
   generator body that must wait (``distgrad/fastpath/``).
 

@@ -21,6 +21,7 @@ class InPlace(Requests):
     model); ``forward``: the forward's Session once the body has asked for a value."""
 
     mode = "in place"
+    unscales = True
 
     def __init__(self, trace):
         self.trace = trace

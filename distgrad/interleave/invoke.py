@@ -60,6 +60,7 @@ class Invokes(InPlace):
     backward over the sum of the bodies' losses, each body served its own rows."""
 
     mode = "invokes"
+    unscales = False  # one backward for every invoke's block, each with its own arguments
 
     def __init__(self, trace):
         super().__init__(trace)

@@ -47,12 +47,14 @@ class Requests:
 
     Attributes: ``mode``, how the bodies run, in words (``Trace.mode`` shows it); ``engine``,
     the engine the trace runs on (None outside a trace); ``backward_refused``, the message a
-    backward block opened in this trace raises, or None.
+    backward block opened in this trace raises, or None; ``unscales``, whether a block's
+    ``scaler=`` is served (its session's hand-offs can be wrapped: ``scaling.py``).
     """
 
     mode = "outside a trace"
     engine = None
     backward_refused = None
+    unscales = False
 
     def module_value(self, body, envoy, kind: str):
         raise TraceStateError(f"{envoy._path}.{kind} can only be used inside "

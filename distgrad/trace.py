@@ -20,6 +20,7 @@ from .interleave.in_place import InPlace
 from .interleave.invoke import Invoke, Invokes
 from .interleave.requests import Requests
 from .interleave.session import BODIES, Body, current_body
+from .interleave.step import StepRequests
 
 
 class Model(Envoy):
@@ -64,6 +65,15 @@ class Model(Envoy):
         With no inputs, add them with ``tracer.invoke(...)`` blocks (one batch)."""
         return Trace(self, "forward", args, kwargs)
 
+    def trace_step(self, run, backward) -> "Trace":
+        """Open a trace over another library's training step (Hugging Face ``Trainer``:
+        ``distgrad.trainer`` uses this). ``run()`` runs the step's forward and returns the loss
+        it would backpropagate, without running the backward; ``backward(loss)`` runs that
+        backward the library's own way. In the body ``tr.loss`` is the loss and
+        ``with tr.loss.backward():`` runs ``backward(loss)``; a body that opens no block has it
+        run when the body ends."""
+        return Trace(self, "step", (), {}, step=(run, backward))
+
     def generate(self, *args, **kwargs) -> "Trace":
         """Trace ``module.generate(...)``: forward values only (generate runs without gradients)."""
         return Trace(self, "generate", args, kwargs)
@@ -89,12 +99,14 @@ class Trace:
     for batched inputs, open :meth:`invoke` blocks inside it. What serves the body's requests
     is chosen as the block opens (``requests``; see ``interleave/requests.py``)."""
 
-    def __init__(self, model: Model, method: str, args: tuple, kwargs: dict):
+    def __init__(self, model: Model, method: str, args: tuple, kwargs: dict,
+                 step: tuple | None = None):
         self.model = model
         self.engine = model._engine
         self.tokenizer = model._tokenizer
         self.method = method
         self.raw_inputs = (args, kwargs)
+        self.step = step       # trace_step's (run, backward), or None
         self.invokes: list = []
         self.body: Body | None = None
         self.requests = None   # what serves the body's requests while open (interleave/requests.py)
@@ -109,7 +121,13 @@ class Trace:
             raise TraceStateError("a trace is already open in this body; traces do not nest. "
                                   "Close the first `with model.trace(...)` block before opening another.")
         skip_from = None
-        if self.engine.captures_body:
+        if self.step is not None:
+            if self.engine.captures_body:
+                raise NotImplementedError(
+                    f"model.trace_step(...): the {self.engine.name} engine runs the step itself "
+                    f"(a pipeline schedule); trace it with model.trace(inputs).")
+            self.requests = StepRequests(self, *self.step)
+        elif self.engine.captures_body:
             # before anything is registered: if the body cannot be captured, __exit__ never
             # runs, and nothing may be left to make the next trace think this one is open
             frame = sys._getframe(1)
@@ -180,17 +198,16 @@ class Trace:
             invoke.frame = invoke.trace = None
         if self.frame is not None:
             capture.release_locals(self.frame)
-        self.requests = self.frame = self._glet = None
+        self.requests = self.frame = self._glet = self.step = None
 
     def invoke(self, *args, **kwargs):
         """One input of a batched trace; see docs/concepts.rst ("Invokes")."""
         if self.raw_inputs[0] or self.raw_inputs[1]:
             raise TraceStateError("model.trace(inputs) already has inputs: either pass inputs to "
                                   "trace() or use tracer.invoke(...) blocks, not both.")
-        if not isinstance(self.requests, InPlace):
-            raise TraceStateError("tracer.invoke(...) splits the batch of a trace run in place; "
-                                  "under a pipeline schedule the schedule splits it into "
-                                  "microbatches: pass the whole batch to model.trace(...).")
+        refused = self.requests.invokes_refused
+        if refused:
+            raise TraceStateError(refused)
         if not self.invokes:  # the invokes serve the bodies from now on
             if self.requests.forward is not None:
                 raise TraceStateError("tracer.invoke(...) must come before the body reads any "
@@ -215,7 +232,8 @@ class Trace:
     @property
     def loss(self):
         """Under a pipeline schedule: this microbatch's loss, as the schedule's ``loss_fn``
-        computed it on the last stage; open the backward block on it."""
+        computed it on the last stage; in ``model.trace_step``: the step's loss. Open the
+        backward block on it."""
         body = current_body()
         requests = body.requests if body is not None else None
         return (requests or Requests()).loss(body)

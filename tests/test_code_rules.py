@@ -216,6 +216,7 @@ CORE_LAYERS = (
     ("engines", lambda m: m.split(".")[0] == "engines"),
     ("the trace", lambda m: m == "trace"),
     ("the package", lambda m: m == "__init__"),
+    ("integrations with training libraries", lambda m: m == "trainer"),
 )
 
 

@@ -22,6 +22,7 @@ class InPlace(Requests):
 
     mode = "in place"
     unscales = True
+    invokes_refused = None
 
     def __init__(self, trace):
         self.trace = trace

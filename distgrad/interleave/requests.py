@@ -18,6 +18,8 @@ The objects, from the simplest:
 * ``Invokes`` (``invoke.py``): several bodies over one batch, served in invoke order.
 * ``GeneratorDriver`` (``fastpath/driver.py``): the body rewritten as a generator, its runs
   called from the trace's own stack.
+* ``StepRequests`` (``step.py``): a body over another library's training step
+  (``model.trace_step``), whose loss and backward are the library's.
 * ``PipelineRun`` (``engines/pipeline/run.py``): one body per microbatch of a pipeline
   schedule, values of other ranks' stages received.
 """
@@ -55,6 +57,9 @@ class Requests:
     engine = None
     backward_refused = None
     unscales = False
+    invokes_refused = ("tracer.invoke(...) splits the batch of a trace run in place; under a "
+                       "pipeline schedule the schedule splits it into microbatches: pass the "
+                       "whole batch to model.trace(...).")
 
     def module_value(self, body, envoy, kind: str):
         raise TraceStateError(f"{envoy._path}.{kind} can only be used inside "

@@ -157,6 +157,8 @@ def run_cases(cases, out: str, rank: int, *args) -> dict:
         if ended:
             peer, why = next(iter(ended.items()))
             end_job(f"rank {peer} ended the job ({why})", cases[i + 1:])
+        if world == 1:  # one process (no group): no peer to wait for or to release
+            continue
         if not dist.is_initialized():  # peers may wait for this process to end: no waiting
             if i + 1 < len(cases):
                 results[RESUME] = cases[i + 1].__name__

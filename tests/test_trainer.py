@@ -1,0 +1,43 @@
+"""Hugging Face Trainer traced by ``distgrad.trainer.TracedTrainer``, on one process and on 2
+DDP ranks (gloo, CPU): tests/dist/trainer_job.py.
+
+* 3 optimizer steps, gradient accumulation 1 and 2 (with label smoothing), an intervention
+  that saves and doubles the gradient reaching the first block: the parameters equal those of
+  a plain Trainer whose raw hook doubles that gradient, the saved gradients and ``tr.loss``
+  equal what the hook saw and what ``training_step`` returned (rank 0: every rank's rows),
+  one record per micro-batch with its step and micro-batch index (atol 1e-5);
+* an intervention with a forward edit and no backward block: the Trainer's backward still
+  runs once per step (parameters equal the raw-hook run's); ``on_step`` gets the records;
+* a backward block on another tensor raises, naming ``tr.loss``, on every rank, and leaves
+  accelerate's ``backward`` unpatched.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).parent / "dist"))
+from launch import case_report, read_results, run_ranks  # noqa: E402
+
+JOB = str(Path(__file__).parent / "dist" / "trainer_job.py")
+CASES = ["case_gradient_edit_without_accumulation",
+         "case_gradient_edit_with_accumulation_and_label_smoothing",
+         "case_forward_edit_without_block", "case_block_on_another_tensor_raises"]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_process", "two_ranks"])
+def job(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"trainer-{world}")
+    procs = run_ranks([JOB, "--out", str(out)], world)
+    return procs, read_results(out, world)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_traced_trainer_case(job, case):
+    procs, results = job
+    report = case_report(procs, results, case)
+    assert not report, f"{case}:\n{report}"
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"

@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer``, traced: an intervention of the user's runs in every training step.
+"""Hugging Face ``Trainer``, traced: an intervention of the user's runs in every training step::
 
     from distgrad.trainer import TracedTrainer
 

@@ -13,6 +13,8 @@ request sends the reply back to the hook.
   thread, or a worker thread where autograd calls hooks on its own threads);
 * ``gradients.py``: the backward's side (``.grad`` requests, which transport a backward needs);
   ``scaling.py``: gradients shown unscaled under a loss scaler (``backward(scaler=...)``);
+* ``step.py``: ``StepRequests``, a body over another library's training step, whose loss and
+  backward are that library's (``model.trace_step``);
 * ``batching.py``: rows of a batch per invoke; ``paused.py``: what a request gives back to a
   generator body that must wait (``distgrad/fastpath/``).
 

@@ -124,7 +124,7 @@ def every_rank(tensor) -> torch.Tensor:
 def check_parameters(trainer, oracle, unedited) -> None:
     start = build_gpt2().state_dict()
     moved = max((p - start[n]).abs().max().item() for n, p in oracle.model.named_parameters())
-    assert moved > DIFFERENT, "the oracle's steps changed nothing: the comparison would prove nothing"
+    assert moved > DIFFERENT, "the oracle's steps changed nothing: comparing would prove nothing"
     edit = max((p - q).abs().max().item() for p, q in zip(oracle.model.parameters(),
                                                           unedited.model.parameters()))
     assert edit > DIFFERENT, "the edit changed no parameter: the comparison would prove nothing"
@@ -143,11 +143,13 @@ def check_gradient_edit(world, rank, accumulate, smoothing=0.0):
     for i, (record, grad, loss) in enumerate(zip(records, seen, oracle.losses)):
         assert (record.step, record.micro_batch) == (i // accumulate, i % accumulate), record[:2]
         whole = every_rank(grad)  # a collective: every rank takes part
-        close(record.value["grad"], whole if rank == 0 else grad, f"h[0]'s gradient at micro-batch {i}")
+        close(record.value["grad"], whole if rank == 0 else grad,
+              f"h[0]'s gradient at micro-batch {i}")
         # tr.loss: what the Trainer backpropagates, training_step's return value
         losses = every_rank(loss)
         mine = losses if rank == 0 else loss
-        close(record.value["loss"].detach().reshape(mine.shape), mine, f"tr.loss at micro-batch {i}")
+        close(record.value["loss"].detach().reshape(mine.shape), mine,
+              f"tr.loss at micro-batch {i}")
     assert "backward" not in vars(trainer.accelerator), "accelerator.backward left patched"
 
 

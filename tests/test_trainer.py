@@ -1,7 +1,9 @@
 """Hugging Face Trainer traced by ``distgrad.trainer.TracedTrainer``, on one process and on 2
 DDP ranks (gloo, CPU): tests/dist/trainer_job.py.
 
-* 3 optimizer steps, gradient accumulation 1 and 2 (with label smoothing), an intervention
+* 3 optimizer steps, gradient accumulation 1 and 2 (with the loss normalised over the
+  accumulated tokens, and with label smoothing), bf16 autocast, gradient checkpointing with a
+  forward edit inside the checkpointed block; an intervention
   that saves and doubles the gradient reaching the first block: the parameters equal those of
   a plain Trainer whose raw hook doubles that gradient, the saved gradients and ``tr.loss``
   equal what the hook saw and what ``training_step`` returned (rank 0: every rank's rows),
@@ -21,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import case_report, read_results, run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "trainer_job.py")
-CASES = ["case_gradient_edit_without_accumulation",
-         "case_gradient_edit_with_accumulation_and_label_smoothing",
+CASES = ["case_gradient_edit_without_accumulation", "case_gradient_edit_with_accumulation",
+         "case_gradient_edit_with_accumulation_and_label_smoothing", "case_bf16_autocast",
+         "case_gradient_checkpointing",
          "case_forward_edit_without_block", "case_block_on_another_tensor_raises"]
 
 

@@ -5,7 +5,9 @@ of a plain ``Trainer`` whose edits raw hooks make: on one process, or on every r
 Started by tests/test_trainer.py with ``--world 1`` or ``2``. Each run is 3 optimizer steps of
 SGD on a tiny GPT-2 (dropout on; Trainer seeds it), gradient accumulation 1 and 2; data is
 sharded over the ranks by the Trainer. The oracles are plain PyTorch: the parameters after the
-steps, the gradients a tensor hook saw, the losses ``training_step`` returned.
+steps, the gradients a tensor hook saw, the losses ``training_step`` returned. Cases cover
+Trainer's loss paths (``num_items_in_batch``, label smoothing), bf16 autocast and gradient
+checkpointing.
 Tolerance: fp32, atol 1e-5 (cases.ATOL).
 """
 from __future__ import annotations
@@ -42,14 +44,14 @@ def samples(world: int) -> list[dict]:
     return rows
 
 
-def arguments(accumulate: int, smoothing: float = 0.0) -> TrainingArguments:
+def arguments(accumulate: int, smoothing: float = 0.0, **more) -> TrainingArguments:
     return TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="distgrad-trainer-"), use_cpu=True,
         per_device_train_batch_size=2, gradient_accumulation_steps=accumulate, max_steps=STEPS,
         optim="sgd", learning_rate=0.1, label_smoothing_factor=smoothing,
         train_sampling_strategy="sequential", report_to=[], save_strategy="no",
         logging_strategy="no", disable_tqdm=True,
-        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None, **more)
 
 
 # docs/recipes.rst shows this function as it is written here.
@@ -60,6 +62,13 @@ def double_first_block(model, tr):
         grad = hidden.grad
         hidden.grad = grad * 2
     return {"grad": grad, "loss": tr.loss}
+
+
+def halve_mlp_and_double_block(model, tr):
+    """A forward edit inside the first block (recomputed under checkpointing) and the
+    gradient edit of ``double_first_block``."""
+    model.transformer.h[0].mlp.output = model.transformer.h[0].mlp.output * 0.5
+    return double_first_block(model, tr)
 
 
 def halve_first_mlp(model, tr):
@@ -132,11 +141,14 @@ def check_parameters(trainer, oracle, unedited) -> None:
         close(p.detach(), ref.detach(), f"parameter {name} after {STEPS} steps")
 
 
-def check_gradient_edit(world, rank, accumulate, smoothing=0.0):
-    args = arguments(accumulate, smoothing)
-    trainer = train_traced(double_first_block, args, world)
-    oracle, seen = train_with_hooks(arguments(accumulate, smoothing), world, gradient_edit=True)
-    unedited, _ = train_with_hooks(arguments(accumulate, smoothing), world)
+def check_gradient_edit(world, rank, accumulate, smoothing=0.0, forward_edit=False, **more):
+    def args():
+        return arguments(accumulate, smoothing, **more)
+
+    body = halve_mlp_and_double_block if forward_edit else double_first_block
+    trainer = train_traced(body, args(), world)
+    oracle, seen = train_with_hooks(args(), world, gradient_edit=True, forward_edit=forward_edit)
+    unedited, _ = train_with_hooks(args(), world)
     check_parameters(trainer, oracle, unedited)
     records = trainer.saved
     assert len(records) == STEPS * accumulate == len(seen), (len(records), len(seen))
@@ -151,14 +163,32 @@ def check_gradient_edit(world, rank, accumulate, smoothing=0.0):
         close(record.value["loss"].detach().reshape(mine.shape), mine,
               f"tr.loss at micro-batch {i}")
     assert "backward" not in vars(trainer.accelerator), "accelerator.backward left patched"
+    return trainer
 
 
 def case_gradient_edit_without_accumulation(world, rank):
     check_gradient_edit(world, rank, 1)
 
 
+def case_gradient_edit_with_accumulation(world, rank):
+    # GPT-2 takes the loss's token count (num_items_in_batch): Trainer does not divide by 2
+    check_gradient_edit(world, rank, 2)
+
+
 def case_gradient_edit_with_accumulation_and_label_smoothing(world, rank):
+    # Trainer's label smoother computes the loss, and Trainer divides it by 2
     check_gradient_edit(world, rank, 2, smoothing=0.1)
+
+
+def case_bf16_autocast(world, rank):
+    trainer = check_gradient_edit(world, rank, 2, bf16=True)
+    assert trainer.accelerator.mixed_precision == "bf16", trainer.accelerator.mixed_precision
+
+
+def case_gradient_checkpointing(world, rank):
+    trainer = check_gradient_edit(world, rank, 1, forward_edit=True, gradient_checkpointing=True,
+                                  gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert trainer.model.is_gradient_checkpointing
 
 
 def case_forward_edit_without_block(world, rank):
@@ -182,8 +212,9 @@ def case_block_on_another_tensor_raises(world, rank):
     assert "backward" not in vars(trainer.accelerator), "accelerator.backward left patched"
 
 
-CASES = [case_gradient_edit_without_accumulation,
-         case_gradient_edit_with_accumulation_and_label_smoothing,
+CASES = [case_gradient_edit_without_accumulation, case_gradient_edit_with_accumulation,
+         case_gradient_edit_with_accumulation_and_label_smoothing, case_bf16_autocast,
+         case_gradient_checkpointing,
          case_forward_edit_without_block, case_block_on_another_tensor_raises]
 
 

@@ -6,13 +6,14 @@ Started by tests/test_trainer.py with ``--world 1`` or ``2``. Each run is 3 opti
 SGD on a tiny GPT-2 (dropout on; Trainer seeds it), gradient accumulation 1 and 2; data is
 sharded over the ranks by the Trainer. The oracles are plain PyTorch: the parameters after the
 steps, the gradients a tensor hook saw, the losses ``training_step`` returned. Cases cover
-Trainer's loss paths (``num_items_in_batch``, label smoothing), bf16 autocast and gradient
-checkpointing.
+Trainer's loss paths (``num_items_in_batch``, label smoothing), bf16 autocast, gradient
+checkpointing, and on 2 ranks DeepSpeed ZeRO-1 and ZeRO-3 (Trainer's ``deepspeed=``).
 Tolerance: fp32, atol 1e-5 (cases.ATOL).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -130,7 +131,20 @@ def every_rank(tensor) -> torch.Tensor:
     return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
 
 
+def whole_parameters(*trainers):
+    """ZeRO-3 keeps each rank's shard of the parameters: gather them for the comparison."""
+    if not any(t.is_deepspeed_enabled for t in trainers):
+        return contextlib.nullcontext()
+    import deepspeed
+    return deepspeed.zero.GatheredParameters([p for t in trainers for p in t.model.parameters()])
+
+
 def check_parameters(trainer, oracle, unedited) -> None:
+    with whole_parameters(trainer, oracle, unedited):
+        compare_parameters(trainer, oracle, unedited)
+
+
+def compare_parameters(trainer, oracle, unedited) -> None:
     start = build_gpt2().state_dict()
     moved = max((p - start[n]).abs().max().item() for n, p in oracle.model.named_parameters())
     assert moved > DIFFERENT, "the oracle's steps changed nothing: comparing would prove nothing"
@@ -191,6 +205,22 @@ def case_gradient_checkpointing(world, rank):
     assert trainer.model.is_gradient_checkpointing
 
 
+def deepspeed_config(stage: int) -> dict:
+    return {"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+            "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+
+
+def case_deepspeed_zero1(world, rank):
+    trainer = check_gradient_edit(world, rank, 2, deepspeed=deepspeed_config(1))
+    assert type(trainer.model_wrapped).__name__ == "DeepSpeedEngine"
+
+
+def case_deepspeed_zero3(world, rank):
+    trainer = check_gradient_edit(world, rank, 2, deepspeed=deepspeed_config(3))
+    assert type(trainer.model_wrapped).__name__ == "DeepSpeedEngine"
+
+
 def case_forward_edit_without_block(world, rank):
     kept = []
     trainer = train_traced(halve_first_mlp, arguments(2), world, on_step=kept.append)
@@ -212,6 +242,8 @@ def case_block_on_another_tensor_raises(world, rank):
     assert "backward" not in vars(trainer.accelerator), "accelerator.backward left patched"
 
 
+# DeepSpeed's cases run on 2 ranks only (its engine needs a process group)
+DEEPSPEED_CASES = [case_deepspeed_zero1, case_deepspeed_zero3]
 CASES = [case_gradient_edit_without_accumulation, case_gradient_edit_with_accumulation,
          case_gradient_edit_with_accumulation_and_label_smoothing, case_bf16_autocast,
          case_gradient_checkpointing,
@@ -225,7 +257,8 @@ def main():
     distgrad.config.failure_timeout = 3.0
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    run_cases(CASES, args.out, rank, world, rank)
+    cases = CASES[:-1] + (DEEPSPEED_CASES if world > 1 else []) + CASES[-1:]  # failure last
+    run_cases(cases, args.out, rank, world, rank)
 
 
 if __name__ == "__main__":

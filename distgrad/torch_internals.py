@@ -203,3 +203,17 @@ def scaled_by(loss: torch.Tensor, scaler) -> bool:
     except RuntimeError:  # freed by an earlier backward, or changed in place since
         return False
     return other.data_ptr() == scale.data_ptr() and other.device == scale.device
+
+
+def fsdp1_unsharded_grads(root) -> bool:
+    """Whether some FSDP1 flat parameter under ``root`` holds an unsharded gradient: one
+    accumulated by a backward inside ``no_sync()`` and not yet reduce-scattered. FSDP1's
+    ``summon_full_params(with_grads=True)`` then fails an internal assertion; the handles
+    (``_traversal_utils._get_fsdp_handles``) and the shard size (``FlatParameter._sharded_size``)
+    have no public accessor."""
+    from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
+    for handle in _get_fsdp_handles(root):
+        flat = handle.flat_param
+        if flat.grad is not None and flat.grad.size() != flat._sharded_size:
+            return True
+    return False

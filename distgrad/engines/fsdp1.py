@@ -8,14 +8,16 @@
 * Parameter gradients: outside ``summon_full_params`` a parameter is a view of this rank's flat
   shard. ``.grad`` through distgrad opens ``summon_full_params(with_grads=True)`` on the root (a
   collective: call it on every rank) and returns a copy of the full gradient; assigning writes the
-  full tensor inside the same context, which FSDP writes back to the shards.
+  full tensor inside the same context, which FSDP writes back to the shards. After a backward
+  inside ``no_sync()`` the gradients are unsharded and rank-local until a synchronising
+  backward; FSDP1 cannot gather them then, and ``.grad`` raises, saying so.
 """
 from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from ..torch_internals import submodules
+from ..torch_internals import fsdp1_unsharded_grads, submodules
 from .ranks import DistributedEngine
 
 _WRAPPER_CHILDREN = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -51,6 +53,7 @@ class FullParam:
     @property
     def grad(self):
         self.agree(f"{self.path}.grad")
+        self.refuse_unsharded(".grad")
         with FSDP.summon_full_params(self.root, with_grads=True):
             g = self.param.grad
             return None if g is None else g.detach().clone()
@@ -58,11 +61,22 @@ class FullParam:
     @grad.setter
     def grad(self, value):
         self.agree(f"{self.path}.grad = ...")
+        self.refuse_unsharded(".grad = ...")
         with FSDP.summon_full_params(self.root, with_grads=True, writeback=True):
             if self.param.grad is None or value is None:
                 raise ValueError(f"{self.path}.grad = ...: FSDP1 can only overwrite an existing "
                                  "gradient; assign after the backward.")
             self.param.grad.copy_(value)
+
+    def refuse_unsharded(self, what: str) -> None:
+        # the same answer on every rank: each accumulated the same backwards under no_sync
+        if fsdp1_unsharded_grads(self.root):
+            raise ValueError(
+                f"{self.path}{what}: after a backward inside no_sync(), FSDP1 keeps the "
+                f"accumulated gradients unsharded on each rank until a backward outside "
+                f"no_sync() reduces them, and cannot gather them whole before that. Read "
+                f"parameter gradients after the synchronising backward (the last micro-batch "
+                f"of the accumulation).")
 
     def __getattr__(self, name):
         return getattr(self.param, name)

@@ -360,7 +360,43 @@ def case_fails_on_rank1(model, wrapped, rank, world):
             pass
 
 
-CASES = {"all": [case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
+# a method each engine's wrapper has and the user's GPT-2 lacks (FSDP2's is on the sharded
+# module itself, which is the user's module)
+WRAPPER_METHODS = {"ddp": "no_sync", "accelerate": "no_sync", "fsdp1": "no_sync",
+                   "fsdp2": "set_requires_gradient_sync", "zero1": "zero_optimization_stage",
+                   "zero2": "zero_optimization_stage", "zero3": "zero_optimization_stage"}
+
+
+def case_wrapper_names(model, wrapped, rank, world):
+    """``model.<name>`` for a name the user's module lacks is the engine wrapper's own, so that
+    ``model.no_sync()`` and ``accelerator.accumulate(model)`` reach it; a step inside
+    ``model.no_sync()`` (where there is one) traces and gives this rank's own parameter
+    gradients (FSDP1: a clear error, it cannot gather them until they are reduced)."""
+    engine = os.environ["DISTGRAD_ENGINE"]
+    method = getattr(model, WRAPPER_METHODS[engine])
+    assert method.__self__ is wrapped, f"model.{WRAPPER_METHODS[engine]} is not the wrapper's"
+    assert not hasattr(build_gpt2(), WRAPPER_METHODS[engine]) or engine == "fsdp2"
+    if WRAPPER_METHODS[engine] != "no_sync":
+        return
+    ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
+    with model.no_sync():
+        with model.trace(ids):
+            with (model.output.logits.sum() * SCALE).backward():
+                pass
+    if engine == "fsdp1":  # it cannot gather gradients accumulated under no_sync: an error
+        expect_error(lambda: param_envoy(model, PARAMS[0]).grad, ValueError, "no_sync()",
+                     heard=False)
+    else:
+        own = oracle(ids)["params"]  # this rank's rows only: no all-reduce inside no_sync
+        for name in PARAMS:
+            close(param_envoy(model, name).grad, own[name], f"{name}.grad inside no_sync")
+    with model.trace(ids):  # the synchronising backward: the average over the ranks again
+        with (model.output.logits.sum() * SCALE).backward():
+            pass
+    clear_grads(wrapped)
+
+
+CASES = {"all": [case_wrapper_names, case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
                  case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_failure],
          "fails_on_rank1": [case_fails_on_rank1, case_saves],
          "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad]}
@@ -373,6 +409,7 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     distgrad.config.failure_timeout = 3.0
+    os.environ["DISTGRAD_ENGINE"] = args.engine
     start_process_group(args.engine)
     wrapped, options = wrap_with_engine(args.engine, build_gpt2(), lr=0.0)
     rank, world = dist.get_rank(), dist.get_world_size()

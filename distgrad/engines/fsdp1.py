@@ -4,7 +4,9 @@
   whose child is ``_fsdp_wrapped_module``; ``unwrap`` steps through those (and activation
   checkpoint wrappers), so ``model.transformer.h[0]`` is the user's block and hooks go on it.
 * Forward and backward: through the root wrapper, plain autograd; FSDP1 all-gathers flat
-  parameters before each unit and reduce-scatters after the unit's backward.
+  parameters before each unit and reduce-scatters after the unit's backward. ``generate``
+  calls the user's module, which bypasses the root wrapper: it runs inside
+  ``summon_full_params``, every parameter whole on every rank.
 * Parameter gradients: outside ``summon_full_params`` a parameter is a view of this rank's flat
   shard. ``.grad`` through distgrad opens ``summon_full_params(with_grads=True)`` on the root (a
   collective: call it on every rank) and returns a copy of the full gradient; assigning writes the
@@ -38,6 +40,13 @@ class FSDP1Engine(DistributedEngine):
             if inner is None:
                 return module
             module = inner
+
+    def generate(self, args, kwargs):
+        # HF's generate calls the user's module, not the FSDP root, so the root's own flat
+        # parameters would stay sharded: gather every parameter whole for the generation (each
+        # rank holds the full model meanwhile; no gradients flow in generate)
+        with FSDP.summon_full_params(self.wrapped, writeback=False):
+            return self.model.generate(*args, **kwargs)
 
     def param(self, param, path):
         return FullParam(self.wrapped, param, path, self.agree)

@@ -396,7 +396,28 @@ def case_wrapper_names(model, wrapped, rank, world):
     clear_grads(wrapped)
 
 
-CASES = {"all": [case_wrapper_names, case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
+def case_generate_result(model, wrapped, rank, world):
+    """``tracer.result`` in a generate trace on every rank: rank 0 holds every rank's generated
+    ids (rows in rank order), each rank its own; they equal plain ``generate`` on one process,
+    with and without an edit at every decoding step."""
+    ids = global_ids(2 * world)
+    mine = ids[rows_of(rank, [2] * world)]
+    for scale in (1.0, 0.5):
+        with model.generate(mine, max_new_tokens=3, do_sample=False) as tracer:
+            if scale != 1.0:
+                for step in range(3):  # one call of the block per decoding step
+                    block = model.transformer.h[0].call(step)
+                    block.output = block.output * scale
+            result = tracer.result.save()
+        net = build_gpt2()
+        handle = net.transformer.h[0].register_forward_hook(lambda m, a, out: out * scale)
+        expected = net.generate(ids, max_new_tokens=3, do_sample=False)
+        handle.remove()
+        want = expected if rank == 0 else expected[rows_of(rank, [2] * world)]
+        assert torch.equal(result, want), f"generated ids (scale {scale}) differ from generate's"
+
+
+CASES = {"all": [case_wrapper_names, case_generate_result, case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
                  case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_failure],
          "fails_on_rank1": [case_fails_on_rank1, case_saves],
          "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad]}

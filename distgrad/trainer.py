@@ -23,7 +23,8 @@ FSDP, DeepSpeed), its loss scaling and gradient accumulation are what they are w
 * ``tr.loss`` is the loss the Trainer backpropagates: with ``gradient_accumulation_steps=k``
   and a loss not already normalised over the accumulated tokens, ``loss / k``; the gradients
   the block shows are those of that loss, as a raw hook would see them.
-* What the intervention returns is saved (its tensors gathered to rank 0, as ``.save()`` does)
+* What the intervention returns is saved (its tensors gathered to rank 0, as ``.save()`` does;
+  a parameter, its ``.grad`` or a buffer as a copy taken when the step's backward has run)
   and recorded once per call of ``training_step`` (one micro-batch) as a ``TracedStep``:
   appended to ``trainer.saved``, or handed to ``on_step(record)`` if given (nothing is kept
   then: a long run keeps only what the callback keeps).
@@ -109,6 +110,7 @@ class TraceSteps:
         with traced.trace_step(run, backward) as tr:
             value = self.intervention(traced, tr)
             if value is not None:
+                value = _copies_of_model_state(value, traced.module)
                 _save_unsaved(value)
         self._record(value)
         return returned[0]
@@ -133,6 +135,25 @@ class TraceSteps:
 
 class TracedTrainer(TraceSteps, transformers.Trainer):
     """``transformers.Trainer`` with ``intervention=`` (and ``on_step=``): see ``TraceSteps``."""
+
+
+def _copies_of_model_state(value, module):
+    """``value`` with copies of the tensors the model owns (a parameter, its ``.grad``, a
+    buffer): the next micro-batch accumulates into ``.grad`` in place and the optimizer
+    changes the parameters, so a record must hold their values as they were."""
+    own = {id(p) for p in module.parameters()}
+    own.update(id(p.grad) for p in module.parameters() if p.grad is not None)
+    own.update(id(b) for b in module.buffers())
+
+    def copy(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj.detach().clone() if id(obj) in own else obj
+        if isinstance(obj, dict):
+            return {key: copy(item) for key, item in obj.items()}
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(copy(item) for item in obj) if type(obj) in (tuple, list) else obj
+        return obj
+    return copy(value)
 
 
 def _save_unsaved(value) -> None:

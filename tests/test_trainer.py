@@ -27,7 +27,7 @@ from launch import case_report, read_results, run_ranks  # noqa: E402
 JOB = str(Path(__file__).parent / "dist" / "trainer_job.py")
 CASES = ["case_gradient_edit_without_accumulation", "case_gradient_edit_with_accumulation",
          "case_gradient_edit_with_accumulation_and_label_smoothing", "case_bf16_autocast",
-         "case_gradient_checkpointing",
+         "case_gradient_checkpointing", "case_lora_adapters",
          "case_forward_edit_without_block", "case_block_on_another_tensor_raises"]
 DEEPSPEED_CASES = ["case_deepspeed_zero1", "case_deepspeed_zero3"]
 

@@ -417,8 +417,37 @@ def case_generate_result(model, wrapped, rank, world):
         assert torch.equal(result, want), f"generated ids (scale {scale}) differ from generate's"
 
 
+def case_param_grad_save(model, wrapped, rank, world):
+    """``model.<param>.grad.save()``: where ``.grad`` is the parameter's own tensor (DDP,
+    accelerate's DDP), the end-of-trace gather would rebind it to every rank's copies joined,
+    so it raises on every rank and leaves the gradient as it was (and the failure destroys the
+    group); where it is a fresh full copy (FSDP, ZeRO), it is gathered as any value. A copy
+    (``.clone().save()``) is gathered everywhere."""
+    ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
+    rows = model.transformer.h[0].mlp.c_fc.weight.shape[0]
+    joined = (world if rank == 0 else 1) * rows
+
+    def step(save):
+        with model.trace(ids):
+            with (model.output.logits.sum() * SCALE).backward():
+                pass
+            return save(param_envoy(model, PARAMS[0]).grad)
+
+    copy = step(lambda grad: grad.clone().save())
+    assert copy.shape[0] == joined, (copy.shape, joined)
+    clear_grads(wrapped)
+    if os.environ["DISTGRAD_ENGINE"] in ("ddp", "accelerate"):
+        own = wrapped.module.transformer.h[0].mlp.c_fc.weight
+        expect_error(lambda: step(lambda grad: grad.save()), ValueError,
+                     "the model's own parameter gradient", heard=False)
+        assert own.grad.shape == own.shape, "the parameter's .grad was rebound"
+    else:
+        assert step(lambda grad: grad.save()).shape[0] == joined
+        clear_grads(wrapped)
+
+
 CASES = {"all": [case_wrapper_names, case_generate_result, case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
-                 case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_failure],
+                 case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_param_grad_save, case_failure],
          "fails_on_rank1": [case_fails_on_rank1, case_saves],
          "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad]}
 

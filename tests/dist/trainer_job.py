@@ -77,29 +77,50 @@ def halve_first_mlp(model, tr):
     model.transformer.h[0].mlp.output = model.transformer.h[0].mlp.output * 0.5
 
 
+def lora_gpt2():
+    """The tiny GPT-2 with LoRA adapters on every attention's c_attn (both factors random, so
+    each has a gradient from the first step); the base weights are frozen."""
+    from peft import LoraConfig, get_peft_model
+    return get_peft_model(build_gpt2(), LoraConfig(r=4, target_modules=["c_attn"],
+                                                   init_lora_weights=False))
+
+
+def double_and_read_adapter(model, tr):
+    """``double_first_block``, then the gradient of block 1's LoRA B factor after the
+    backward, read through the model's path (this micro-batch's accumulated gradient)."""
+    value = double_first_block(model, tr)
+    value["lora_B"] = model.transformer.h[1].attn.c_attn.lora_B["default"].weight.grad
+    return value
+
+
 class RecordingTrainer(Trainer):
-    """The oracle: a plain Trainer that keeps what each training_step returned."""
+    """The oracle: a plain Trainer that keeps what each training_step returned, and the LoRA B
+    gradient of block 1 after it (when the model has adapters)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.losses = []
+        self.losses, self.adapter_grads = [], []
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.losses.append(loss)
+        for name, p in self.model.named_parameters():
+            if name.endswith("h.1.attn.c_attn.lora_B.default.weight"):
+                self.adapter_grads.append(p.grad.detach().clone())
         return loss
 
 
-def train_traced(intervention, args, world, **kwargs):
-    trainer = TracedTrainer(model=build_gpt2(), args=args, train_dataset=samples(world),
+def train_traced(intervention, args, world, build=build_gpt2, **kwargs):
+    trainer = TracedTrainer(model=build(), args=args, train_dataset=samples(world),
                             intervention=intervention, **kwargs)
     trainer.train()
     return trainer
 
 
-def train_with_hooks(args, world, gradient_edit=False, forward_edit=False):
+def train_with_hooks(args, world, gradient_edit=False, forward_edit=False, build=build_gpt2):
     """The same training with raw hooks doing the edit (or none, with neither flag)."""
-    net = build_gpt2()
+    net = build()
+    block = net.base_model.model.transformer.h[0] if build is lora_gpt2 else net.transformer.h[0]
     seen = []
 
     def double(grad):
@@ -111,9 +132,9 @@ def train_with_hooks(args, world, gradient_edit=False, forward_edit=False):
 
     handles = []
     if gradient_edit:
-        handles.append(net.transformer.h[0].register_forward_hook(on_block))
+        handles.append(block.register_forward_hook(on_block))
     if forward_edit:
-        handles.append(net.transformer.h[0].mlp.register_forward_hook(
+        handles.append(block.mlp.register_forward_hook(
             lambda mod, inputs, out: out * 0.5))
     trainer = RecordingTrainer(model=net, args=args, train_dataset=samples(world))
     trainer.train()
@@ -145,7 +166,8 @@ def check_parameters(trainer, oracle, unedited) -> None:
 
 
 def compare_parameters(trainer, oracle, unedited) -> None:
-    start = build_gpt2().state_dict()
+    start = dict(build_gpt2().named_parameters())
+    start.update({n: p for n, p in lora_gpt2().named_parameters()})
     moved = max((p - start[n]).abs().max().item() for n, p in oracle.model.named_parameters())
     assert moved > DIFFERENT, "the oracle's steps changed nothing: comparing would prove nothing"
     edit = max((p - q).abs().max().item() for p, q in zip(oracle.model.parameters(),
@@ -155,14 +177,18 @@ def compare_parameters(trainer, oracle, unedited) -> None:
         close(p.detach(), ref.detach(), f"parameter {name} after {STEPS} steps")
 
 
-def check_gradient_edit(world, rank, accumulate, smoothing=0.0, forward_edit=False, **more):
+def check_gradient_edit(world, rank, accumulate, smoothing=0.0, forward_edit=False,
+                        build=build_gpt2, **more):
     def args():
         return arguments(accumulate, smoothing, **more)
 
     body = halve_mlp_and_double_block if forward_edit else double_first_block
-    trainer = train_traced(body, args(), world)
-    oracle, seen = train_with_hooks(args(), world, gradient_edit=True, forward_edit=forward_edit)
-    unedited, _ = train_with_hooks(args(), world)
+    if build is lora_gpt2:
+        body = double_and_read_adapter
+    trainer = train_traced(body, args(), world, build=build)
+    oracle, seen = train_with_hooks(args(), world, gradient_edit=True, forward_edit=forward_edit,
+                                    build=build)
+    unedited, _ = train_with_hooks(args(), world, build=build)
     check_parameters(trainer, oracle, unedited)
     records = trainer.saved
     assert len(records) == STEPS * accumulate == len(seen), (len(records), len(seen))
@@ -176,6 +202,11 @@ def check_gradient_edit(world, rank, accumulate, smoothing=0.0, forward_edit=Fal
         mine = losses if rank == 0 else loss
         close(record.value["loss"].detach().reshape(mine.shape), mine,
               f"tr.loss at micro-batch {i}")
+        if build is lora_gpt2:  # saved, so rank 0 holds every rank's, joined like the rest
+            own = oracle.adapter_grads[i]
+            joined = every_rank(own)
+            close(record.value["lora_B"], joined if rank == 0 else own,
+                  f"LoRA B's gradient at micro-batch {i}")
     assert "backward" not in vars(trainer.accelerator), "accelerator.backward left patched"
     return trainer
 
@@ -203,6 +234,10 @@ def case_gradient_checkpointing(world, rank):
     trainer = check_gradient_edit(world, rank, 1, forward_edit=True, gradient_checkpointing=True,
                                   gradient_checkpointing_kwargs={"use_reentrant": False})
     assert trainer.model.is_gradient_checkpointing
+
+
+def case_lora_adapters(world, rank):
+    check_gradient_edit(world, rank, 2, build=lora_gpt2)
 
 
 def deepspeed_config(stage: int) -> dict:
@@ -246,7 +281,7 @@ def case_block_on_another_tensor_raises(world, rank):
 DEEPSPEED_CASES = [case_deepspeed_zero1, case_deepspeed_zero3]
 CASES = [case_gradient_edit_without_accumulation, case_gradient_edit_with_accumulation,
          case_gradient_edit_with_accumulation_and_label_smoothing, case_bf16_autocast,
-         case_gradient_checkpointing,
+         case_gradient_checkpointing, case_lora_adapters,
          case_forward_edit_without_block, case_block_on_another_tensor_raises]
 
 

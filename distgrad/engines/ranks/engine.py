@@ -37,7 +37,7 @@ from ...saving import LabelledSaves
 from ...torch_internals import default_store, never_free
 from ..base import Engine
 from .agreement import Agreement, asked, where
-from .gather import Exchange
+from .gather import Exchange, refuse_model_state
 
 
 class DistributedEngine(Engine):
@@ -163,6 +163,10 @@ class DistributedEngine(Engine):
             return self._fail(error)
         if self._exchange is None:
             return None
+        refused = refuse_model_state(saves, self.model) if saves else None
+        if refused is not None:  # every rank alike: the ranks run the same body
+            self._fail(refused)
+            return refused
         try:
             self._exchange(saves)  # rebinds saved tensors: the user's names show global values
         except RuntimeError as exc:  # the group broke under us: a peer failed

@@ -52,6 +52,35 @@ def _tensors(obj, out: list):
     return out
 
 
+def refuse_model_state(saves: list, model: torch.nn.Module) -> ValueError | None:
+    """The error for a save that would be rebound although it is the model's own tensor (a
+    parameter, its ``.grad``, a buffer): joining the ranks' copies into it would change what the
+    optimizer or the next forward reads. None when no save is one. Saves kept per rank
+    (``gather="none"``) are never rebound, so they may be anything."""
+    kept = [obj for obj, mode, _ in saves if mode != "none"]
+    if not kept:
+        return None
+    own = {}
+    for name, p in model.named_parameters():
+        own[id(p)] = (p, name, "parameter")
+        if p.grad is not None:
+            own[id(p.grad)] = (p.grad, name + ".grad", "parameter gradient")
+    for name, b in model.named_buffers():
+        own[id(b)] = (b, name, "buffer")
+    for obj in kept:
+        for tensor in _tensors(obj, []):
+            found = own.get(id(tensor))
+            if found is not None and found[0] is tensor:
+                _, name, what = found
+                return ValueError(
+                    f"{name}.save(): that is the model's own {what}, which the optimizer (or "
+                    f"the next forward) reads. A saved tensor is rebound at the end of the trace "
+                    f"to every rank's values joined, which would change the {what} itself. Save "
+                    f"a copy (`.clone().save()`), or keep each rank's own with "
+                    f"`distgrad.save(t, gather=\"none\")`.")
+    return None
+
+
 def _round8(n: int) -> int:
     return (n + 7) // 8 * 8
 

@@ -47,10 +47,11 @@ for record in trainer.saved:
     print(f"step {record.step} micro-batch {record.micro_batch}: "
           f"h[0] gradient norm {record.value['grad'].norm():.3e}")
 
+# The oracle: a plain Trainer, the edit made by a raw tensor hook.
 
 
 def plain_trainer(factor):
-    """The oracle: a plain Trainer whose raw tensor hook multiplies h[0]'s gradient by factor."""
+    """Train as TracedTrainer did, a raw hook multiplying h[0]'s gradient by factor."""
     net, seen = build_gpt2(), []
 
     def on_gradient(grad):

@@ -4,13 +4,15 @@ PyTorch with raw hooks and prints its "ok: ..." line only after those checks pas
 exits non-zero with what differed), so a test here passes only where the script's check ran
 and held. The accelerate loop also runs on 2 ranks (DDP over gloo, tests/dist/launch.py).
 
-The one-process scripts start together, once per module (most of each one's time is importing
-transformers, on one thread), and each test reads its own script's outcome.
+All the runs start together, once per module (most of each one's time is importing
+transformers, on one thread), and each test reads its own run's outcome (so selecting one
+test still runs them all).
 """
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from launch import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+ACCELERATE_LOOP = ROOT / "examples" / "accelerate_loop.py"
 
 
 def ok_lines(output: str) -> list[str]:
@@ -28,8 +31,11 @@ def ok_lines(output: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def outcomes():
-    """Every example run as ``python examples/<name>.py``: name -> (exit code, stdout, stderr)."""
+    """Every example run as ``python examples/<name>.py``: name -> (exit code, stdout, stderr);
+    and "2 ranks" -> the accelerate loop's ranks (CompletedProcess each)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    ranks = ThreadPoolExecutor(1)
+    two_ranks = ranks.submit(run_ranks, [str(ACCELERATE_LOOP)], 2)
     running = {path.name: subprocess.Popen([sys.executable, str(path)], cwd=ROOT, env=env,
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                            text=True) for path in EXAMPLES}
@@ -43,6 +49,8 @@ def outcomes():
             out, err = proc.communicate()
             err += "\n[test] killed: still running after 300 s"
         done[name] = (proc.returncode, out, err)
+    done["2 ranks"] = two_ranks.result()
+    ranks.shutdown()
     return done
 
 
@@ -54,8 +62,8 @@ def test_example_runs_and_its_check_passes(outcomes, script):
     assert len(ok_lines(out)) == 1, said
 
 
-def test_accelerate_loop_on_two_ranks():
-    procs = run_ranks([str(ROOT / "examples" / "accelerate_loop.py")], 2)
+def test_accelerate_loop_on_two_ranks(outcomes):
+    procs = outcomes["2 ranks"]
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
     said = ok_lines(procs[0].stdout)

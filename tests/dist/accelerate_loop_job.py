@@ -37,7 +37,7 @@ def batches_of(rank: int) -> list:
             for i in range(MICRO_BATCHES)]
 
 
-# docs/recipes.rst shows this function as it is written here.
+# the loop of examples/accelerate_loop.py, as a function the cases can run twice
 def fine_tune(model, accelerator, optimizer, batches):
     """Train on ``batches``, doubling the gradient that flows into the first block's output."""
     seen = []

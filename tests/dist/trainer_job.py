@@ -55,7 +55,7 @@ def arguments(accumulate: int, smoothing: float = 0.0, **more) -> TrainingArgume
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None, **more)
 
 
-# docs/recipes.rst shows this function as it is written here.
+# the intervention of examples/trainer.py, returning tr.loss too
 def double_first_block(model, tr):
     """Save the gradient reaching the first block's output, and double it."""
     hidden = model.transformer.h[0].output

@@ -37,8 +37,9 @@ _REENTRANT_FORWARD = _torch_checkpoint.CheckpointFunction.forward.__code__
 _FORWARD_PACK = "_checkpoint_hook.__init__.<locals>.pack_hook"
 _RECOMPUTE_PACK = "_recomputation_hook.__init__.<locals>.pack_hook"
 _USE_NON_REENTRANT = ("net.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                      "{'use_reentrant': False}) for a transformers model, or "
-                      "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+                      "{'use_reentrant': False}) for a transformers model (under Trainer: "
+                      "TrainingArguments(gradient_checkpointing_kwargs={'use_reentrant': "
+                      "False})), or torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
 
 # Tensors handed to a body from inside a use_reentrant=True block, by id: `.grad` of them
 # explains why there is no gradient. Weak values, so nothing here keeps a tensor alive.

@@ -325,6 +325,18 @@ def main() -> int:
         if v.counted and not v.eager_numbers and not v.graphs_per_step:
             print(f"WARNING: {v.name} ran no compiled graph (dynamo fell back to eager)")
             ok = False
+    # The goal that does not drift with the machine: tracing compiles nothing, breaks no graph
+    # and runs no compiled graph, and the compiled model's steps around it compile nothing more.
+    traced, between = variants[-1], variants[-2]
+    counts = {"traced steps: graphs compiled": traced.first_compiles + traced.timed_compiles,
+              "traced steps: graph breaks": traced.first_breaks,
+              "traced steps: compiled graphs run": traced.graphs_per_step,
+              "compiled step after a trace: graphs compiled": after_trace[0] + between.timed_compiles,
+              "graph breaks over the timed steps": timed_breaks}
+    for what, n in counts.items():
+        if n:
+            print(f"FAIL: {what}: {n}, expected 0")
+            ok = False
 
     nn = None
     if not a.no_nnsight:

@@ -241,12 +241,16 @@ def test_peft_short_path_assignment_is_not_lost(lora, backward_mode):
 # -- torch.compile ------------------------------------------------------------------------------
 class CountingBackend:
     """A torch.compile backend that runs dynamo's graph eagerly and counts the graph's runs, so
-    a test can tell a compiled step from an eager one."""
+    a test can tell a compiled step from an eager one, and the graphs it was given (one per
+    compile or recompile)."""
 
     def __init__(self):
         self.runs = 0
+        self.compiles = 0
 
     def __call__(self, graph, example_inputs):
+        self.compiles += 1
+
         def run(*args):
             self.runs += 1
             return graph(*args)
@@ -341,6 +345,28 @@ def test_traces_run_eager_and_steps_outside_stay_compiled(how, backward_mode):
             1 / 0
     compiled(IDS)
     assert counting.runs > runs   # an error in the body leaves nothing forced either
+    assert hook_count(net) == 0
+
+
+@pytest.mark.parametrize("hook_guards", [False, True])
+def test_traced_steps_compile_nothing(hook_guards):
+    """A traced step (forward edit, gradient read and edit) makes dynamo compile nothing, and
+    neither does the compiled step after it. With ``skip_nnmodule_hook_guards`` off, dynamo
+    guards on module hooks, so a trace whose hooks reached the compiled code would recompile."""
+    counting = CountingBackend()
+    compiled, net = _compiled("torch.compile(net)", counting)
+    model = distgrad.wrap(compiled)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=not hook_guards):
+        compiled(IDS).logits.sum().backward()
+        compiles, runs = counting.compiles, counting.runs
+        assert compiles >= 1 and runs >= 1
+        for step in range(2):
+            traced_step(model, model.transformer.h[0])
+            assert (counting.compiles, counting.runs) == (compiles, runs), step
+            compiled(IDS).logits.sum().backward()
+            assert counting.compiles == compiles, step  # no recompile after a trace
+            assert counting.runs > runs, step
+            runs = counting.runs
     assert hook_count(net) == 0
 
 

@@ -1,9 +1,12 @@
-"""A LoRA model (PEFT) under DDP: its adapters' gradients read in the body, with and without an
-edit of an activation gradient, and with a loss scaler (``backward(scaler=...)``). Started once per rank by tests/test_wrapped_models.py.
+"""A LoRA model (PEFT) under one engine (``--engine``: DDP, FSDP1, FSDP2, DeepSpeed ZeRO): its
+adapters' gradients read in the body through the uniform parameter-gradient API, with and
+without an edit of an activation gradient, and (except under DeepSpeed, whose backward scales
+the loss itself) with a loss scaler (``backward(scaler=...)``). Started once per rank by
+tests/test_wrapped_models.py.
 
 The oracle is one process with plain autograd on the global batch (a tensor hook does the
-edit); DDP averages over ranks, so the oracle's gradients are divided by the world size.
-fp32, atol 1e-5 (cases.ATOL).
+edit); every engine averages over ranks, so the oracle's gradients are divided by the world
+size. fp32, atol 1e-5 (cases.ATOL).
 """
 from __future__ import annotations
 
@@ -72,6 +75,13 @@ def traced(model, local, edit: float | None) -> dict:
     return grads
 
 
+def clear_grads(wrapped):
+    if type(wrapped).__name__ == "DeepSpeedEngine":
+        wrapped.step()  # lr 0: clears ZeRO's partitioned gradients, leaves the weights
+    else:
+        wrapped.zero_grad(set_to_none=True)
+
+
 def check(model, wrapped, rank, world, edit):
     ids = global_ids(world)
     local = ids[rank * ROWS:(rank + 1) * ROWS]
@@ -83,7 +93,7 @@ def check(model, wrapped, rank, world, edit):
             got = traced(model, local, edit)
         finally:
             distgrad.config.body_mode = "auto"
-        wrapped.zero_grad(set_to_none=True)
+        clear_grads(wrapped)
         for name in LORA:
             close(got[name], ref[name] / world, f"{name} ({mode}, edit {edit})")
             # h[0]'s adapters lie upstream of the edit, h[1]'s downstream: the edit must change
@@ -133,7 +143,7 @@ def case_lora_grads_with_a_scaler(model, wrapped, rank, world):
                 got = {name: lora_weight(model, name).grad.clone() for name in LORA}
         finally:
             distgrad.config.body_mode = "auto"
-        wrapped.zero_grad(set_to_none=True)
+        clear_grads(wrapped)
         close(g0, seen["g0"] if rank == 0 else seen["g0"][rank * ROWS:(rank + 1) * ROWS],
               f"h[0] gradient, unscaled ({mode})")
         for name in LORA:  # scaled, as PyTorch leaves parameter gradients until scaler.step
@@ -143,15 +153,17 @@ def case_lora_grads_with_a_scaler(model, wrapped, rank, world):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--engine", default="ddp")
     args = parser.parse_args()
     distgrad.config.failure_timeout = 3.0
-    start_process_group("ddp")
-    wrapped, _ = wrap_with_engine("ddp", build_lora())
+    start_process_group(args.engine)
+    wrapped, _ = wrap_with_engine(args.engine, build_lora(), lr=0.0)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = distgrad.wrap(wrapped)
-    run_cases([case_lora_grads, case_lora_grads_after_an_edit, case_lora_grads_with_a_scaler],
-              args.out, rank, model, wrapped,
-              rank, world)
+    cases = [case_lora_grads, case_lora_grads_after_an_edit]
+    if not args.engine.startswith("zero"):
+        cases.append(case_lora_grads_with_a_scaler)
+    run_cases(cases, args.out, rank, model, wrapped, rank, world)
 
 
 if __name__ == "__main__":

@@ -424,7 +424,7 @@ def case_param_grad_save(model, wrapped, rank, world):
     group); where it is a fresh full copy (FSDP, ZeRO), it is gathered as any value. A copy
     (``.clone().save()``) is gathered everywhere."""
     ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
-    rows = model.transformer.h[0].mlp.c_fc.weight.shape[0]
+    rows = build_gpt2().transformer.h[0].mlp.c_fc.weight.shape[0]  # (FSDP1 shows a flat shard)
     joined = (world if rank == 0 else 1) * rows
 
     def step(save):

@@ -23,20 +23,22 @@ def close(a, b, what: str, atol: float = ATOL) -> None:
         raise AssertionError(f"{what}: max abs diff {diff:.3g} > {atol}")
 
 
-def expect_failure_of_rank1(rank: int, run, must_say=("rank 1",), within: float = 30) -> None:
-    """``run()`` makes a trace whose body raises ZeroDivisionError on rank 1. Rank 1 must get
-    its own error; every other rank a RankFailedError saying ``must_say``, within ``within`` s."""
+def expect_failure_of_rank1(rank: int, run, must_say=("rank 1",), within: float = 30,
+                            failing: int = 1) -> None:
+    """``run()`` makes a trace whose body raises ZeroDivisionError on rank ``failing`` (1 unless
+    given). That rank must get its own error; every other rank a RankFailedError saying
+    ``must_say``, within ``within`` s."""
     import distgrad
     start = time.monotonic()
     try:
         run()
     except ZeroDivisionError:
-        if rank != 1:
+        if rank != failing:
             raise
         return
     except distgrad.RankFailedError as exc:
         took = time.monotonic() - start
-        if rank == 1 or any(text not in str(exc) for text in must_say):
+        if rank == failing or any(text not in str(exc) for text in must_say):
             raise AssertionError(f"wrong failure report on rank {rank}: {exc}")
         if took > within:
             raise AssertionError(f"the failure took {took:.1f} s to arrive")

@@ -306,20 +306,25 @@ def case_rank_dependent_param_grad(model, wrapped, rank, world):
     expect_error(run, distgrad.TraceStateError, "different values on different ranks")
 
 
+# the rank case_failure fails on: 1, or on several nodes one of the last node's ranks
+FAILING = int(os.environ.get("DISTGRAD_FAILING_RANK", "1"))
+
+
 def case_failure(model, wrapped, rank, world):
-    """Rank 1 fails in the body before the backward; every rank must raise, none hang."""
+    """Rank FAILING fails in the body before the backward; every rank must raise, none hang."""
     ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
 
     def run():
         with model.trace(ids):
             a1 = model.transformer.h[0].output
             loss = model.output.logits.sum()
-            if rank == 1:
+            if rank == FAILING:
                 1 / 0
             with loss.backward():
                 a1.grad
 
-    expect_failure_of_rank1(rank, run, must_say=("rank 1", "ZeroDivisionError"))
+    expect_failure_of_rank1(rank, run, must_say=(f"rank {FAILING}", "ZeroDivisionError"),
+                            failing=FAILING)
 
 
 def case_killed(model, wrapped, rank, world):
@@ -449,7 +454,9 @@ def case_param_grad_save(model, wrapped, rank, world):
 CASES = {"all": [case_wrapper_names, case_generate_result, case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
                  case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_param_grad_save, case_failure],
          "fails_on_rank1": [case_fails_on_rank1, case_saves],
-         "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad]}
+         "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad],
+         # many ranks or nodes: parity, gathers of every rank's rows, uneven batches, a failure
+         "at_scale": [case_read_edit, case_saves, case_uneven, case_generate_result, case_failure]}
 
 
 def main():

@@ -57,10 +57,11 @@ class FlowRun:
         """The ranks whose activation gradients differ from the other ranks', each with why.
 
         A rank with a non-finite norm is always named. Otherwise a rank's offset is the median,
-        over steps and layers, of its log norm minus the median log norm of the other ranks; a
-        rank is named where that offset is more than ``factor`` either way. With two ranks each
-        is off from the other by the same factor, so only the one with the larger gradients is
-        named (the message says by how much)."""
+        over steps and layers, of its log norm minus the median log norm of all ranks; a rank is
+        named where that offset is more than ``factor`` either way. With two ranks the median
+        would sit halfway between them, so each is compared with the other instead; both are
+        then off by the same factor, and only the one with the larger gradients is named (the
+        message says by how much)."""
         if self.ranks < 2 or not self.steps:
             return {}
         found = {}
@@ -73,7 +74,9 @@ class FlowRun:
                     if not math.isfinite(mine):
                         found[rank] = f"non-finite activation gradient norm ({mine}) at {self.layers[layer]}"
                         break
-                    others = [step["activation"][r][layer] for r in range(self.ranks) if r != rank]
+                    # two ranks: the other one; more: all of them (the odd one cannot move it far)
+                    others = [step["activation"][r][layer] for r in range(self.ranks)
+                              if r != rank or self.ranks > 2]
                     others = [math.log10(v) for v in others if math.isfinite(v) and v > 0]
                     if mine > 0 and others:
                         diffs.append(math.log10(mine) - statistics.median(others))

@@ -1,5 +1,5 @@
 """Gradient flow across layers and ranks: which layer's gradients vanish or explode, and which
-rank's gradients differ from the others'.
+rank's gradients differ from the others'. See docs/flow.rst. ::
 
     import distgrad.flow
     flow = distgrad.flow.Recorder(model, layers="transformer.h")
@@ -11,7 +11,7 @@ rank's gradients differ from the others'.
         opt.step(); opt.zero_grad()
     flow.save("run.json")           # rank 0
 
-``python -m distgrad.flow run.json -o flow.png`` draws it, without ``-o`` prints a table.
+``python -m distgrad.flow run.json -o flow.png`` draws a run, without ``-o`` prints a table.
 """
 from __future__ import annotations
 

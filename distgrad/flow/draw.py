@@ -41,7 +41,7 @@ def draw(run: FlowRun, path: str) -> None:
         cmap = plt.get_cmap("viridis").copy()
         cmap.set_bad("#d62728")  # zero or non-finite: red, not a colour of the scale
         image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
-        fig.colorbar(image, ax=ax, fraction=0.08, pad=0.02)
+        fig.colorbar(image, ax=ax, fraction=0.08, pad=0.02).ax.tick_params(labelsize=7, which="both")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_yticks(range(len(layers)), layers if ax is axes[0] else [""] * len(layers), fontsize=7)

@@ -97,15 +97,15 @@ class FlowRun:
         if not self.steps:
             return "no steps recorded"
         last, first = self.steps[-1], self.steps[0]
-        head = ["layer", "act global", f"(step 0)"] + [f"act r{r}" for r in range(self.ranks)] + ["param global"]
+        head = ["layer", "act global", "at step 0"] + [f"act r{r}" for r in range(self.ranks)] + ["param global"]
         rows = [head]
         for i, layer in enumerate(self.layers):
             rows.append([layer, fmt(last["activation_global"][i]), fmt(first["activation_global"][i])]
                         + [fmt(last["activation"][r][i]) for r in range(self.ranks)]
                         + [fmt(last["param_global"][i])])
         widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
-        lines = [f"gradient norms, step {len(self.steps) - 1} of {len(self.steps)} "
-                 f"({self.engine}, {self.ranks} rank{'s' if self.ranks > 1 else ''})"]
+        lines = [f"gradient norms at the last step ({len(self.steps) - 1}; {self.engine}, "
+                 f"{self.ranks} rank{'s' if self.ranks > 1 else ''})"]
         lines += ["  ".join(cell.rjust(w) if c else cell.ljust(w)
                             for c, (cell, w) in enumerate(zip(row, widths))) for row in rows]
         odd = self.odd_ranks()

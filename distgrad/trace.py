@@ -92,6 +92,12 @@ class Model(Envoy):
         return self._engine.model
 
 
+def engine_of(model: Model) -> engines.Engine:
+    """The engine ``model`` runs on, for tools built on distgrad (``distgrad.flow``) that need its
+    ranks or its module tree outside a trace."""
+    return model._engine
+
+
 class Trace:
     """One ``with model.trace(...):`` block: a forward whose values the body reads and edits.
 

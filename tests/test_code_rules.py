@@ -217,6 +217,7 @@ CORE_LAYERS = (
     ("the trace", lambda m: m == "trace"),
     ("the package", lambda m: m == "__init__"),
     ("integrations with training libraries", lambda m: m == "trainer"),
+    ("tools built on traces", lambda m: m.split(".")[0] == "flow"),
 )
 
 

@@ -190,7 +190,7 @@ def check_engines(device, ids, skip) -> bool:
             ok = g_diff <= ATOL and p_diff <= ATOL
             good &= check(f"{engine}: README program", ok,
                           f"saved gradient max diff {g_diff:.2e}, {len(ref_params)} parameter "
-                          f"gradients max diff {p_diff:.2e} ({worst_name}); hooks on "
+                          f"gradients max diff {p_diff:.2e}{f' ({worst_name})' if p_diff else ''}; hooks on "
                           f"{sorted(fired_on)}; {time.perf_counter() - t0:.1f} s{note}")
         except Exception as exc:
             traceback.print_exc()

@@ -194,6 +194,59 @@ def case_uneven(model, wrapped, rank, world):
     clear_grads(wrapped)
 
 
+def case_gather_memory(model, wrapped, rank, world):
+    """gather="rank0" saves go to rank 0 alone: a rank other than 0 allocates its own saved bytes
+    and 40 bytes of header a rank, and receives nothing, whatever the world size (the job runs
+    on 2 and on 4 ranks); rank 0 receives every rank's bytes. gather="all" saves still reach
+    every rank. Values equal the oracle's, also landed on the CPU by config.gather_device, and
+    on the steady path (the second and third traces send the payload before the headers)."""
+    engine = model._engine
+    exchange = getattr(engine, "inner", engine)._exchange  # accelerate composes another engine
+    sizes = [2] * world
+    ids = global_ids(sum(sizes))
+    local = ids[rows_of(rank, sizes)]
+    ref = oracle(ids)
+    logits_bytes = 2 * 8 * ref["losses"].shape[-1] * 4  # [2, 8, vocab] floats a rank
+    try:
+        for step, (mode, device) in enumerate([("rank0", None)] * 3 + [("all", None)] * 2 +
+                                              [("rank0", "cpu"), ("all", "cpu")]):
+            distgrad.config.gather_device = device
+            with model.trace(local):
+                a = model.transformer.h[0].output
+                logits = model.output.logits.save(gather=mode)
+                loss = model.output.logits.sum() * SCALE
+                with loss.backward():
+                    g = a.grad.save(gather=mode)
+                total = loss.detach().save(gather=mode)  # 0-dim: 8 bytes padded from 4
+            own = logits_bytes + 2 * 8 * ref["g0"].shape[-1] * 4 + 8
+            got = exchange.allocated
+            if got.get("send") != own or got.get("headers") != 40 * world:
+                raise AssertionError(f"step {step} ({mode}): sent {got}, own saves {own} bytes")
+            kept = rank == 0 or mode == "all"
+            if got.get("receive", 0) != (world * own if kept else 0):
+                expected = f"{world} x {own} bytes" if kept else "nothing"
+                raise AssertionError(f"step {step} ({mode}) rank {rank} allocated {got}; "
+                                     f"expected to receive {expected}")
+            steady = step in (1, 2, 4)  # a trace that repeats the one before it
+            if exchange.guessed != steady or steady and "layouts" in got:
+                raise AssertionError(f"step {step}: payload sent before the headers: "
+                                     f"{exchange.guessed}, allocated {got}")
+            if kept:
+                close(logits, ref["losses"], f"gathered logits, step {step} ({mode})")
+                close(g, ref["g0"], f"gathered h[0] gradient, step {step} ({mode})")
+                close(total, torch.stack([ref["losses"][rows_of(r, sizes)].sum() * SCALE
+                                          for r in range(world)]), f"saved loss, step {step}")
+            else:
+                close(logits, ref["losses"][rows_of(rank, sizes)], f"local logits, step {step}")
+                close(g, ref["g0"][rows_of(rank, sizes)], f"local gradient, step {step}")
+            if kept and device is not None:
+                for value in (logits, g, total):
+                    assert value.device == torch.device(device), (step, value.device)
+            clear_grads(wrapped)
+    finally:
+        distgrad.config.gather_device = None
+
+
 def case_watch_only_in_traces(model, wrapped, rank, world):
     """The failure watcher reads the store only while a trace runs."""
     engine = model._engine
@@ -446,9 +499,10 @@ def case_param_grad_save(model, wrapped, rank, world):
         clear_grads(wrapped)
 
 
-CASES = {"all": [case_wrapper_names, case_generate_result, case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
+CASES = {"all": [case_wrapper_names, case_generate_result, case_read_edit, case_saves, case_steady_saves, case_gather_memory, case_uneven, case_watch_only_in_traces, case_param_write,
                  case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_param_grad_save, case_failure],
          "fails_on_rank1": [case_fails_on_rank1, case_saves],
+         "gather_memory": [case_gather_memory],
          "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad]}
 
 

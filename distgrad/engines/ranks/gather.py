@@ -1,20 +1,26 @@
-"""Moving saved values to rank 0 in one collective, whatever their number.
+"""Moving saved values to the ranks that keep them: rank 0, or every rank for ``gather="all"``.
 
-Every rank packs one byte buffer: a header, the bytes of every saved tensor, and (only when its
-layout, the saves' shapes/dtypes/modes/dims, differs from its previous trace) that layout. The
-ranks ``all_gather`` those buffers. ``all_gather`` needs one size on every rank, so buffers have
-a capacity the ranks agreed on in an earlier trace; a rank whose saves do not fit sends only its
-header with the size it needs, every rank sees that, and the ranks repeat once with the larger
-capacity. Ranks may save tensors of different sizes on the joined dimension (an uneven last
-batch). In a training loop with fixed shapes every trace after the first costs one collective (from
-the third on, of exactly the saved bytes plus 40), for S saved tensors as for one.
+Every trace, the ranks ``all_gather`` a fixed header of 40 bytes each (how many tensors each
+saved, how many bytes it sends, whether its layout repeats: the saves' shapes, dtypes, modes,
+dims and labels). When a rank's layout changed, they ``all_gather`` the layouts next (tens of
+bytes a saved tensor), so that every rank checks alike that the ranks saved the same values and
+that they join. Then the payload: the bytes of the ``gather="rank0"`` saves go to rank 0 alone
+(``dist.gather``), those of the ``gather="all"`` saves to every rank (``all_gather``). Each rank
+sends one buffer per kind, of the largest rank's size (collectives take one size on every
+rank), so a rank other than 0 allocates its own saved bytes (padded to the largest rank's on an
+uneven batch), the headers and, when the layouts change, the layouts: whatever the world size,
+it receives no payload of ``gather="rank0"`` saves. Ranks may save tensors of different sizes
+on the joined dimension (an uneven last batch).
 
-Each trace ends with the saved tensors rebound to their global values (``tensor.data = value``).
-What is left that grows with S is the Python per tensor (read its dtype and shape, pass it to
-one packing call, get a view back from one unpacking call, rebind it): packing and unpacking are
-single C++ calls for the common case of S saves of one shape and dtype, everything else is
-planned once per layout and cached, and in a steady training loop the views are made and bound
-while the collective runs (it very likely repeats the last trace; undone when it does not).
+In a training loop whose layouts repeat, every rank knows the sizes of the previous trace, so
+all of them send the payload right behind the header, without waiting for it; if the headers
+then show that some rank's saves changed, the payload is sent again with the right sizes.
+
+Each trace ends with the saved tensors rebound to their global values (``tensor.data =
+value``), on the saved tensor's device or on ``distgrad.config.gather_device``. The global
+values are fresh tensors; the buffers live for one trace. Packing and unpacking are single
+calls for the common case of S saves of one shape and dtype; layouts are planned once and the
+plan is cached.
 """
 from __future__ import annotations
 
@@ -23,17 +29,17 @@ import struct
 import torch
 import torch.distributed as dist
 
+from ...config import config
 from ...saving import saved_label
 from ...torch_internals import allgather_base, foreach_copy_, set_grad_enabled
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
 DTYPE_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
-_MODES = ("rank0", "all")
-# int64s: fits (1 or 0), number of tensors, bytes needed in all, layout length (0 when the
-# layout is that of this rank's previous trace), same layout as before (1 or 0)
+_MODES = ("rank0", "all")  # also the payload's sections, in this order
+# int64s: number of tensors, bytes of gather="rank0" saves, bytes of gather="all" saves,
+# layout length (0 when the layout is that of this rank's previous trace), same layout (1 or 0)
 _HEADER = 5
-_START = 8 * _HEADER  # payload offset: 8-byte aligned, so every dtype views in place
 _CPU = torch.device("cpu")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _NO_LABELS: dict = {}
@@ -86,21 +92,29 @@ def _round8(n: int) -> int:
 
 
 class Exchange:
-    """One per engine. Every rank keeps the same view of the previous trace (all ranks' layouts
-    and the plan cut from them), so a rank whose layout repeats need not send it again."""
+    """One per engine. Every rank keeps the same view of the previous trace (all ranks' headers
+    and layouts, and the plan cut from them), so a rank whose layout repeats need not send it
+    again, and every rank can send the payload before it has read the headers.
+
+    ``allocated`` (read by the tests and ``benchmarks/gather_memory.py``): the bytes of each
+    buffer this rank allocated for its last exchange, by name: ``"headers"`` (40 bytes a rank),
+    ``"layouts"`` (only when a layout changed), ``"send"`` (this rank's saved bytes, padded to
+    the largest rank's), ``"receive"`` (every rank's bytes of the saves this rank keeps the
+    global value of: on rank 0 all saves, elsewhere only the ``gather="all"`` ones); for a
+    payload sent twice (the headers showed a change), the second, the first being freed.
+    ``guessed``: whether the last exchange's payload was the one sent before the headers were
+    read (the steady path of a training loop)."""
 
     def __init__(self, group, rank: int, world: int, wait=None):
         self.group, self.rank, self.world = group, rank, world
         # how to wait for the collective: the engine's wait reads the job's failure key between
         # slices, so a peer that failed (and said so) cannot leave this rank waiting
         self._wait = wait if wait is not None else _plain_wait
-        self.capacity = 0
         self._plans: dict = {}
-        self._buffers = None  # ((size, device), send, receive, headers, rows), reused
-        self._last = None     # this rank's (key, _Pack) of the previous completed trace
-        self._prev = None     # (all ranks' layouts, plan) of the previous completed trace
-        self._steady = None   # every rank's header of the previous trace, if all repeated theirs
-        self._bound = None    # (saved tensors, their local values) while bound early
+        self._last = None  # this rank's (key, _Pack) of the previous completed trace
+        self._prev = None  # (all ranks' headers, layouts, plan) of the previous completed trace
+        self.allocated: dict = {}
+        self.guessed = False
 
     def __call__(self, saves: list) -> None:
         """Gather one trace's saves, ``(obj, mode, dim)`` in save order, and rebind each saved
@@ -109,23 +123,11 @@ class Exchange:
         saves do not line up; the saved tensors then keep their local values."""
         grad = torch.is_grad_enabled()  # the packing writes to out=, which autograd refuses
         set_grad_enabled(False)  # (cheaper than the torch.no_grad decorator)
-        self._bound = None
         try:
             for tensor, value in self._exchange(saves):
                 tensor.data = value
-        except BaseException:
-            self._unbind()
-            raise
         finally:
             set_grad_enabled(grad)
-
-    def _unbind(self):
-        """Undo an early binding: back to the local values, which the send buffer holds."""
-        if self._bound is not None:
-            tensors, local = self._bound
-            self._bound = None
-            for tensor, value in zip(tensors, local.clone().unbind(0)):
-                tensor.data = value
 
     def _exchange(self, saves: list) -> list:
         tensors, key = [], []
@@ -140,97 +142,109 @@ class Exchange:
                 for t in _tensors(obj, []):
                     tensors.append(t)
                     key.append((t.dtype, t.shape, mode, dim, saved_label(t, labels)))
-        last, prev, steady = self._last, self._prev, self._steady
-        self._last = self._prev = self._steady = None  # set again when this exchange completes
-        same = last is not None and last[0] == key
+        last, prev = self._last, self._prev
+        self._last = self._prev = None  # set again when this exchange completes
+        self.allocated, self.guessed = {}, False
+        same = last is not None and prev is not None and last[0] == key
         pack = last[1] if same else _Pack(key)
-        needed = _START + pack.nbytes + (0 if same else 8 * len(pack.meta))
-        head = [1, len(tensors), needed, 0 if same else len(pack.meta), int(same)]
+        head = [len(tensors), *pack.nbytes, 0 if same else len(pack.meta), int(same)]
         device = tensors[0].device if tensors else _CPU
-        # the last trace was one every rank repeated, and this rank repeats it: the others very
-        # likely do too, so the values' tensors are made, and the saved tensors bound to them,
-        # while the collective runs (undone if the others did not repeat theirs)
-        expect = same and steady is not None
-        plan = prev[1] if expect else None
-        while True:
-            fits = needed <= self.capacity
-            send, gathered, heads, rows = self._buffers_for(max(self.capacity, _START), device)
-            if fits:
-                pack.write(send, tensors, head, same)
-            else:  # only the header: the others learn the size this rank needs
-                send[:_START].view(torch.int64).copy_(torch.tensor([0] + head[1:]))
-                pack.written = None
-            work = self._start(gathered, send)
-            early = None
-            if expect and plan.even:  # (even: every tensor is wanted and was packed by stack)
-                early = plan.prepare(device)
-                self._bound = tensors, pack.block
-                for tensor, value in zip(tensors, early[1]):
-                    tensor.data = value
-            self._wait(work, self.group)
-            heads = heads.tolist()  # every rank's header
-            if expect and heads == steady:  # as expected: nothing to check, nothing to plan
-                self._last, self._prev, self._steady = last, prev, steady
-                if early is not None:
-                    plan.fill(rows, early)
-                    self._bound = None
-                    return ()
-                return self._pairs(tensors, plan, plan.apply(rows, device))
-            expect = False
-            self._unbind()  # a repeat packs the saved tensors again: they must be local again
-            if all(h[0] for h in heads):
-                break
-            # headroom for growing shapes; a multiple of 8 so that the headers view as int64
-            self.capacity = _round8(max(h[2] for h in heads) * 5 // 4)
-        counts = [h[1] for h in heads]
-        if len(set(counts)) != 1:
-            raise ValueError(
-                "ranks saved different numbers of tensors in one trace (" +
-                ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)) + "). Save the same "
-                "values on every rank, or use .save(gather='none') for rank-local values.")
-        if prev is not None and all(h[4] for h in heads):
-            layouts, plan = prev  # every rank saved what it saved last time
-            # a layout that repeats is worth its bytes: shrink the headroom to what each rank
-            # needs to send its layout once more (a smaller last batch then still fits)
-            self.capacity = min(self.capacity, _round8(
-                max(h[2] + 8 * len(meta) for h, meta in zip(heads, layouts))))
-            self._steady = heads
+        heads = self._alloc("headers", self.world * _HEADER, torch.int64, device)
+        work = self._all_gather(heads, torch.tensor(head).to(device))
+        sent = None
+        if prev is not None:  # every rank alike: the sizes of the previous trace, guessed again
+            sent = self._send(pack if same else None, tensors, _sizes(prev[0]), device)
+        self._wait(work, self.group)
+        heads = heads.view(self.world, _HEADER).tolist()
+        if prev is not None and all(h[4] and h[:3] == p[:3] for h, p in zip(heads, prev[0])):
+            received = self._received(sent)  # as guessed: nothing to check, nothing to plan
+            self.guessed = True
+            layouts, plan = prev[1], prev[2]
         else:
-            layouts = tuple(
-                prev[0][r] if h[4] else
-                tuple(rows[r, h[2] - 8 * h[3]: h[2]].view(torch.int64).tolist())
-                for r, h in enumerate(heads))
+            if sent is not None:
+                self._received(sent)  # every rank waits for it, then drops it
+                sent = None
+            counts = [h[0] for h in heads]
+            if len(set(counts)) != 1:
+                raise ValueError(
+                    "ranks saved different numbers of tensors in one trace (" +
+                    ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)) + "). Save the "
+                    "same values on every rank, or use .save(gather='none') for rank-local "
+                    "values.")
+            layouts = self._layouts(heads, pack, prev, device)
             plan = self._plans.get(layouts)
             if plan is None:
                 if len(self._plans) > 16:  # shapes that change every step: do not pile up plans
                     self._plans.clear()
                 plan = self._plans[layouts] = _Plan(layouts, self.rank, self.world)
-        self._last, self._prev = (key, pack), (layouts, plan)
-        return self._pairs(tensors, plan, plan.apply(rows, device))
-
-    @staticmethod
-    def _pairs(tensors: list, plan, values) -> list:
+            received = self._received(self._send(pack, tensors, _sizes(heads), device))
+        self._last, self._prev = (key, pack), (heads, layouts, plan)
         if not plan.wanted:
             return []
+        values = plan.apply(received, config.gather_device or device)
         if len(plan.wanted) == len(tensors):
             return list(zip(tensors, values))
         return [(tensors[i], v) for i, v in zip(plan.wanted, values)]
 
-    def _start(self, gathered: torch.Tensor, send: torch.Tensor):
+    def _layouts(self, heads: list, pack, prev, device) -> tuple:
+        """Every rank's layout: from the previous trace where a rank's repeats, else sent."""
+        if prev is not None and all(h[4] for h in heads):
+            return prev[1]
+        longest = max(h[3] for h in heads)
+        rows = self._alloc("layouts", self.world * longest, torch.int64, device)
+        mine = torch.zeros(longest, dtype=torch.int64)
+        if heads[self.rank][3]:
+            mine[:len(pack.meta)] = torch.tensor(pack.meta)
+        self._wait(self._all_gather(rows, mine.to(device)), self.group)
+        rows = rows.view(self.world, longest).tolist()
+        return tuple(prev[1][r] if h[4] else tuple(rows[r][:h[3]]) for r, h in enumerate(heads))
+
+    def _send(self, pack, tensors: list, sizes: tuple, device) -> list:
+        """Start the payload's collectives, one per section that any rank has bytes in, each
+        rank sending ``sizes[section]`` bytes (this rank's saves when ``pack`` is given and they
+        fit, else bytes nobody reads). Returns ``[(section, work, receive rows or None)]``."""
+        for name in ("send", "receive"):  # a guess sent before is freed by now
+            self.allocated.pop(name, None)
+        sends = [self._alloc("send", size, torch.uint8, device) for size in sizes]
+        if pack is not None and all(n <= size for n, size in zip(pack.nbytes, sizes)):
+            pack.write(sends, tensors)
+        started = []
+        for section, (send, size) in enumerate(zip(sends, sizes)):
+            if not size:
+                continue
+            keep = section == 1 or self.rank == 0
+            rows = (self._alloc("receive", self.world * size, torch.uint8, device)
+                    .view(self.world, size) if keep else None)
+            if section == 1:
+                work = self._all_gather(rows.view(-1), send)
+            else:
+                work = dist.gather(send, list(rows.unbind(0)) if keep else None,
+                                   group=self.group, group_dst=0, async_op=True)
+            started.append((section, work, rows))
+        return started
+
+    def _received(self, started: list) -> list:
+        """Wait for the payload's collectives; the receive rows of each section (or None)."""
+        rows = [None, None]
+        for section, work, received in started:
+            self._wait(work, self.group)
+            rows[section] = received
+        return rows
+
+    def _all_gather(self, out: torch.Tensor, send: torch.Tensor):
         gather_flat = allgather_base(self.group)
         if gather_flat is not None:  # skips all_gather's Python checks
-            return gather_flat(gathered, send)
-        return _all_gather(gathered, send, self.group, async_op=True)
+            return gather_flat(out, send)
+        return _all_gather(out, send, self.group, async_op=True)
 
-    def _buffers_for(self, size: int, device):
-        cached = self._buffers
-        if cached is None or cached[0] != (size, device):
-            gathered = torch.empty(self.world * size, dtype=torch.uint8, device=device)
-            rows = gathered.view(self.world, size)
-            send = torch.empty(size, dtype=torch.uint8, device=device)
-            cached = self._buffers = ((size, device), send, gathered,
-                                      rows[:, :_START].view(torch.int64), rows)
-        return cached[1:]
+    def _alloc(self, name: str, count: int, dtype, device) -> torch.Tensor:
+        self.allocated[name] = self.allocated.get(name, 0) + count * dtype.itemsize
+        return torch.empty(count, dtype=dtype, device=device)
+
+
+def _sizes(heads: list) -> tuple:
+    """The bytes every rank sends per section: the largest rank's (8-byte multiples)."""
+    return max(h[1] for h in heads), max(h[2] for h in heads)
 
 
 def _plain_wait(work, group) -> None:
@@ -238,18 +252,18 @@ def _plain_wait(work, group) -> None:
 
 
 def _layout(meta: tuple) -> list:
-    """A rank's layout as ``[(dtype, shape, mode, dim, payload offset, nbytes, label)]``;
-    every tensor starts 8-byte aligned."""
-    specs, at, offset = [], 0, 0
+    """A rank's layout as ``[(dtype, shape, mode, dim, offset in its section, nbytes,
+    label)]``; every tensor starts 8-byte aligned, so every dtype views in place."""
+    specs, at, offsets = [], 0, [0, 0]
     while at < len(meta):
-        dtype, mode, dim, ndim = DTYPES[meta[at]], _MODES[meta[at + 1]], meta[at + 2], meta[at + 3]
+        dtype, mode, dim, ndim = DTYPES[meta[at]], meta[at + 1], meta[at + 2], meta[at + 3]
         shape = tuple(meta[at + 4: at + 4 + ndim])
         at += 4 + ndim
         size, words = meta[at], _round8(meta[at]) // 8
         label = struct.pack(f"<{words}q", *meta[at + 1: at + 1 + words])[:size].decode()
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        specs.append((dtype, shape, mode, dim, offset, nbytes, label))
-        offset += _round8(nbytes)
+        specs.append((dtype, shape, _MODES[mode], dim, offsets[mode], nbytes, label))
+        offsets[mode] += _round8(nbytes)
         at += 1 + words
     return specs
 
@@ -262,7 +276,7 @@ def _label_words(label: tuple) -> list:
 
 
 class _Pack:
-    """How this rank writes one layout of saves into its send buffer."""
+    """How this rank writes one layout of saves into its send buffers, one per section."""
 
     def __init__(self, key: list):
         self.meta = []
@@ -270,48 +284,36 @@ class _Pack:
             self.meta += [DTYPE_CODE[dtype], _MODES.index(mode), dim, len(shape), *shape,
                           *_label_words(label)]
         self.specs = _layout(self.meta)
-        self.nbytes = sum(_round8(s[5]) for s in self.specs)
-        # one shape and dtype, no padding: the payload is one [S, *shape] block for torch.stack
-        self.stack = len({(s[0], s[1]) for s in self.specs}) == 1 and self.specs[0][5] % 8 == 0
-        self.written = None  # (send buffer, header) last written, to skip rewriting it
-        self._views = None   # (send buffer, destination of each tensor in it)
-        self.block = None
+        self.sections = [[i for i, s in enumerate(self.specs) if s[2] == mode] for mode in _MODES]
+        self.nbytes = [sum(_round8(self.specs[i][5]) for i in section)
+                       for section in self.sections]
+        # one shape and dtype, no padding: the section is one [S, *shape] block for torch.stack
+        self.stack = [_uniform([self.specs[i] for i in section]) for section in self.sections]
 
-    def write(self, send: torch.Tensor, tensors: list, head: list, same: bool):
-        if self.written is None or self.written[0] is not send or self.written[1] != head:
-            end = _START + self.nbytes
-            send[:_START].view(torch.int64).copy_(torch.tensor(head))
-            if not same:  # the layout goes after the payload, so the payload never moves
-                send[end: end + 8 * len(self.meta)].view(torch.int64).copy_(
-                    torch.tensor(self.meta))
-            self.written = (send, head)
-        if not tensors:
-            return
-        views = self._views
-        if views is None or views[0] is not send:
-            if self.stack:
-                dtype, shape = self.specs[0][:2]
-                block = send[_START: _START + self.nbytes].view(dtype)
-                views = (send, block.view(len(tensors), *shape))
+    def write(self, sends: list, tensors: list):
+        for section, send, stack, nbytes in zip(self.sections, sends, self.stack, self.nbytes):
+            if not section:
+                continue
+            parts = [tensors[i] for i in section] if len(section) != len(tensors) else tensors
+            if stack:
+                dtype, shape = self.specs[section[0]][:2]
+                torch.stack(parts, out=send[:nbytes].view(dtype).view(len(parts), *shape))
             else:
-                views = (send, [send[_START + o: _START + o + n].view(d).view(s)
-                                for d, s, _, _, o, n, _ in self.specs])
-            self._views = views
-        if self.stack:
-            self.block = views[1]  # [S, *shape]: this rank's values, while the buffer lives
-            torch.stack(tensors, out=self.block)
-        else:
-            foreach_copy_(views[1], tensors)
+                foreach_copy_([send[o: o + n].view(d).view(s) for d, s, _, _, o, n, _ in
+                               (self.specs[i] for i in section)], parts)
+
+
+def _uniform(specs: list) -> bool:
+    return bool(specs) and len({(s[0], s[1]) for s in specs}) == 1 and specs[0][5] % 8 == 0
 
 
 class _Plan:
     """How this rank cuts one set of gathered layouts into the global values it wants.
 
-    When every rank saved S tensors of one shape and dtype joined on dim 0 (or 0-dim, stacked
-    to ``[world]``), the payloads are ``[world, S, n]`` blocks: one transposing copy into a
-    fresh ``[S, world * n]`` tensor and one ``unbind`` give all S values. Anything else (uneven
-    or mixed saves, other dims) is one ``cat`` per tensor of views cached on the receive
-    buffer."""
+    Per section: when every rank saved S tensors of one shape and dtype joined on dim 0 (or
+    0-dim, stacked to ``[world]``), its rows are ``[world, S, n]`` blocks: one transposing copy
+    into a fresh ``[S, world * n]`` tensor and one ``unbind`` give all S values. Anything else
+    (uneven or mixed saves, other dims) is one ``cat`` per tensor of views of the rows."""
 
     def __init__(self, layouts: tuple, rank: int, world: int):
         self.world = world
@@ -326,48 +328,53 @@ class _Plan:
                                  f"on the ranks: save one dtype on every rank.")
             self.shapes.append(_joined_shape([s[i][1] for s in specs], dim))
             self.dims.append(dim if own[i][1] else 0)
-        self.specs, self._views = specs, None
-        self.even = (len(self.wanted) == len(own) > 0 and len(set(layouts)) == 1
-                     and len({(s[0], s[1]) for s in own}) == 1 and own[0][5] % 8 == 0
-                     and all(d == 0 for d in self.dims))
-        if self.even:
-            dtype, shape = own[0][:2]
-            self.dtype, self.n = dtype, max(torch.Size(shape).numel(), 1)
-            self.out = (len(own), *self.shapes[0])
+        self.specs = specs
+        same = len(set(layouts)) == 1
+        self.even = []  # per section: its wanted tensors' indices, if they take the even path
+        for mode in _MODES:
+            section = [i for i in self.wanted if own[i][2] == mode]
+            even = (same and _uniform([own[i] for i in section])
+                    and all(self.dims[i] == 0 for i in section))
+            self.even.append(section if even else None)
 
-    def prepare(self, device) -> tuple:
-        """For even saves: a fresh tensor for the values, as ``[S, world, n]``, and the values,
-        views of it (made before the data is there)."""
-        out = torch.empty(self.out, dtype=self.dtype, device=device)
-        return out.view(self.out[0], self.world, self.n), out.unbind(0)
+    def apply(self, received: list, device) -> list[torch.Tensor]:
+        """The wanted values, in save order, on ``device``, from each section's receive rows."""
+        received = [torch.empty(self.world, 0, dtype=torch.uint8) if rows is None else rows
+                    for rows in received]  # (a section of empty tensors sends nothing)
+        values = {}
+        for rows, even in zip(received, self.even):
+            if even:
+                values.update(zip(even, self._even(rows, even, device)))
+        for i in self.wanted:
+            if i not in values:
+                values[i] = self._joined(received, i, device)
+        return [values[i] for i in self.wanted]
 
-    def fill(self, rows: torch.Tensor, prepared: tuple) -> tuple:
-        # [S, world, n] in rows: the parts of one value are not adjacent, so one copy
-        prepared[0].copy_(self._views_of(rows))
-        return prepared[1]
+    def _even(self, rows: torch.Tensor, section: list, device) -> tuple:
+        dtype, shape, _, _, offset, _, _ = self.specs[0][section[0]]
+        count, n = len(section), max(torch.Size(shape).numel(), 1)
+        out = torch.empty((count, *self.shapes[section[0]]), dtype=dtype, device=device)
+        block = rows[:, offset: offset + count * n * dtype.itemsize].view(dtype)
+        block = block.view(self.world, count, n)
+        if block.device == out.device:
+            out.view(count, self.world, n).copy_(block.transpose(0, 1))
+        else:  # rank by rank: the parts move contiguous, no global-size copy on their device
+            for r in range(self.world):
+                out.view(count, self.world, n)[:, r].copy_(block[r])
+        return out.unbind(0)
 
-    def apply(self, rows: torch.Tensor, device) -> list[torch.Tensor]:
-        if self.even:
-            return self.fill(rows, self.prepare(device))
-        return [torch.cat(parts, self.dims[i])
-                for parts, i in zip(self._views_of(rows), self.wanted)]
-
-    def _views_of(self, rows: torch.Tensor):
-        views = self._views
-        if views is None or views[0] is not rows:  # the receive buffer lives while it fits
-            views = self._views = (rows, self._cut(rows))
-        return views[1]
-
-    def _cut(self, rows: torch.Tensor):
-        """Views into the receive buffer: for even saves ``[S, world, n]``; else, per wanted
-        tensor, its part from every rank."""
-        if self.even:
-            count = len(self.specs[0])
-            block = rows[:, _START: _START + count * self.n * self.dtype.itemsize]
-            return block.view(self.dtype).view(self.world, count, self.n).transpose(0, 1)
-        return [[rows[r, _START + s[i][4]: _START + s[i][4] + s[i][5]].view(s[i][0])
-                 .view(s[i][1] or (1,)) for r, s in enumerate(self.specs)]
-                for i in self.wanted]
+    def _joined(self, received: list, i: int, device) -> torch.Tensor:
+        rows = received[_MODES.index(self.specs[0][i][2])]
+        parts = [rows[r, s[i][4]: s[i][4] + s[i][5]].view(s[i][0]).view(s[i][1] or (1,))
+                 for r, s in enumerate(self.specs)]
+        if rows.device == torch.device(device):
+            return torch.cat(parts, self.dims[i])
+        out = torch.empty(self.shapes[i], dtype=self.specs[0][i][0], device=device)
+        at = 0
+        for part in parts:  # part by part, so that no global-size copy is made on their device
+            out.narrow(self.dims[i], at, part.shape[self.dims[i]]).copy_(part)
+            at += part.shape[self.dims[i]]
+        return out
 
 
 def _check_same_values(specs: list) -> None:

@@ -196,10 +196,12 @@ def case_uneven(model, wrapped, rank, world):
 
 def case_gather_memory(model, wrapped, rank, world):
     """gather="rank0" saves go to rank 0 alone: a rank other than 0 allocates its own saved bytes
-    and 40 bytes of header a rank, and receives nothing, whatever the world size (the job runs
+    and 48 bytes of header a rank, and receives nothing, whatever the world size (the job runs
     on 2 and on 4 ranks); rank 0 receives every rank's bytes. gather="all" saves still reach
-    every rank. Values equal the oracle's, also landed on the CPU by config.gather_device, and
-    on the steady path (the second and third traces send the payload before the headers)."""
+    every rank. Values equal the oracle's, also landed on the CPU by config.gather_device,
+    streamed in chunks of config.gather_chunk_bytes (the receive buffer is then world x the
+    bound), and on the steady path (a trace that repeats the one before sends the payload
+    before the headers; not when streamed)."""
     engine = model._engine
     exchange = getattr(engine, "inner", engine)._exchange  # accelerate composes another engine
     sizes = [2] * world
@@ -208,9 +210,12 @@ def case_gather_memory(model, wrapped, rank, world):
     ref = oracle(ids)
     logits_bytes = 2 * 8 * ref["losses"].shape[-1] * 4  # [2, 8, vocab] floats a rank
     try:
-        for step, (mode, device) in enumerate([("rank0", None)] * 3 + [("all", None)] * 2 +
-                                              [("rank0", "cpu"), ("all", "cpu")]):
+        steps = ([("rank0", None, None)] * 3 + [("all", None, None)] * 2 +
+                 [("rank0", "cpu", None), ("all", "cpu", None)] +
+                 [("rank0", None, 4096)] * 2 + [("all", "cpu", 4096)])
+        for step, (mode, device, bound) in enumerate(steps):
             distgrad.config.gather_device = device
+            distgrad.config.gather_chunk_bytes = bound  # the logits: 24 KiB a rank, 6 chunks
             with model.trace(local):
                 a = model.transformer.h[0].output
                 logits = model.output.logits.save(gather=mode)
@@ -220,11 +225,11 @@ def case_gather_memory(model, wrapped, rank, world):
                 total = loss.detach().save(gather=mode)  # 0-dim: 8 bytes padded from 4
             own = logits_bytes + 2 * 8 * ref["g0"].shape[-1] * 4 + 8
             got = exchange.allocated
-            if got.get("send") != own or got.get("headers") != 40 * world:
+            if got.get("send") != own or got.get("headers") != 48 * world:
                 raise AssertionError(f"step {step} ({mode}): sent {got}, own saves {own} bytes")
             kept = rank == 0 or mode == "all"
-            if got.get("receive", 0) != (world * own if kept else 0):
-                expected = f"{world} x {own} bytes" if kept else "nothing"
+            if got.get("receive", 0) != (world * (bound or own) if kept else 0):
+                expected = f"{world} x {bound or own} bytes" if kept else "nothing"
                 raise AssertionError(f"step {step} ({mode}) rank {rank} allocated {got}; "
                                      f"expected to receive {expected}")
             steady = step in (1, 2, 4)  # a trace that repeats the one before it
@@ -244,7 +249,7 @@ def case_gather_memory(model, wrapped, rank, world):
                     assert value.device == torch.device(device), (step, value.device)
             clear_grads(wrapped)
     finally:
-        distgrad.config.gather_device = None
+        distgrad.config.gather_device = distgrad.config.gather_chunk_bytes = None
 
 
 def case_watch_only_in_traces(model, wrapped, rank, world):

@@ -1,6 +1,6 @@
 """Moving saved values to the ranks that keep them: rank 0, or every rank for ``gather="all"``.
 
-Every trace, the ranks ``all_gather`` a fixed header of 40 bytes each (how many tensors each
+Every trace, the ranks ``all_gather`` a fixed header of 48 bytes each (how many tensors each
 saved, how many bytes it sends, whether its layout repeats: the saves' shapes, dtypes, modes,
 dims and labels). When a rank's layout changed, they ``all_gather`` the layouts next (tens of
 bytes a saved tensor), so that every rank checks alike that the ranks saved the same values and
@@ -38,8 +38,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
 DTYPE_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 _MODES = ("rank0", "all")  # also the payload's sections, in this order
 # int64s: number of tensors, bytes of gather="rank0" saves, bytes of gather="all" saves,
-# layout length (0 when the layout is that of this rank's previous trace), same layout (1 or 0)
-_HEADER = 5
+# layout length (0 when the layout is that of this rank's previous trace), same layout (1 or 0),
+# this rank's config.gather_chunk_bytes (0: none)
+_HEADER = 6
 _CPU = torch.device("cpu")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _NO_LABELS: dict = {}
@@ -97,7 +98,7 @@ class Exchange:
     again, and every rank can send the payload before it has read the headers.
 
     ``allocated`` (read by the tests and ``benchmarks/gather_memory.py``): the bytes of each
-    buffer this rank allocated for its last exchange, by name: ``"headers"`` (40 bytes a rank),
+    buffer this rank allocated for its last exchange, by name: ``"headers"`` (48 bytes a rank),
     ``"layouts"`` (only when a layout changed), ``"send"`` (this rank's saved bytes, padded to
     the largest rank's), ``"receive"`` (every rank's bytes of the saves this rank keeps the
     global value of: on rank 0 all saves, elsewhere only the ``gather="all"`` ones); for a
@@ -147,19 +148,24 @@ class Exchange:
         self.allocated, self.guessed = {}, False
         same = last is not None and prev is not None and last[0] == key
         pack = last[1] if same else _Pack(key)
-        head = [len(tensors), *pack.nbytes, 0 if same else len(pack.meta), int(same)]
+        bound = config.gather_chunk_bytes
+        bound = _round8(max(int(bound), 8)) if bound else 0
+        head = [len(tensors), *pack.nbytes, 0 if same else len(pack.meta), int(same), bound]
         device = tensors[0].device if tensors else _CPU
         heads = self._alloc("headers", self.world * _HEADER, torch.int64, device)
         work = self._all_gather(heads, torch.tensor(head).to(device))
         sent = None
-        if prev is not None:  # every rank alike: the sizes of the previous trace, guessed again
+        # every rank alike: the sizes of the previous trace, guessed again (not when they were
+        # streamed in chunks: each chunk is unpacked before the next, which needs the headers)
+        if prev is not None and not _streamed(_sizes(prev[0]), _bound(prev[0])):
             sent = self._send(pack if same else None, tensors, _sizes(prev[0]), device)
         self._wait(work, self.group)
         heads = heads.view(self.world, _HEADER).tolist()
-        if prev is not None and all(h[4] and h[:3] == p[:3] for h, p in zip(heads, prev[0])):
-            received = self._received(sent)  # as guessed: nothing to check, nothing to plan
-            self.guessed = True
-            layouts, plan = prev[1], prev[2]
+        target = config.gather_device or device
+        done: dict = {}
+        if prev is not None and all(h[4] and h[:3] == p[:3] and h[5] == p[5]
+                                    for h, p in zip(heads, prev[0])):
+            layouts, plan = prev[1], prev[2]  # as before: nothing to check, nothing to plan
         else:
             if sent is not None:
                 self._received(sent)  # every rank waits for it, then drops it
@@ -177,14 +183,56 @@ class Exchange:
                 if len(self._plans) > 16:  # shapes that change every step: do not pile up plans
                     self._plans.clear()
                 plan = self._plans[layouts] = _Plan(layouts, self.rank, self.world)
-            received = self._received(self._send(pack, tensors, _sizes(heads), device))
+        if sent is not None:
+            received = self._received(sent)
+            self.guessed = True
+        else:
+            sizes, bound = _sizes(heads), _bound(heads)
+            if _streamed(sizes, bound):
+                received, done = self._stream(plan, pack, tensors, sizes, bound, device, target)
+            else:
+                received = self._received(self._send(pack, tensors, sizes, device))
         self._last, self._prev = (key, pack), (heads, layouts, plan)
         if not plan.wanted:
             return []
-        values = plan.apply(received, config.gather_device or device)
+        values = plan.apply(received, target, done)
         if len(plan.wanted) == len(tensors):
             return list(zip(tensors, values))
         return [(tensors[i], v) for i, v in zip(plan.wanted, values)]
+
+    def _stream(self, plan, pack, tensors: list, sizes: tuple, bound: int, device, target):
+        """The payload of each section larger than ``bound`` in collectives of at most
+        ``bound`` bytes a rank, each chunk copied into the global values before the next is
+        sent: this rank's receive buffer is ``world * bound`` bytes, not ``world * size``.
+        Sections within the bound go in one collective as usual. Returns the receive rows of
+        those, and the streamed values by tensor index."""
+        small = tuple(size if size <= bound else 0 for size in sizes)
+        received = self._received(self._send(pack, tensors, small, device))
+        done, chunk = {}, None
+        for section, size in enumerate(sizes):
+            if size <= bound:
+                continue
+            send = self._alloc("send", size, torch.uint8, device)
+            pack.write({section: send}, tensors)
+            keep = section == 1 or self.rank == 0
+            values, segments = plan.destinations(section, target) if keep else ({}, None)
+            if keep and chunk is None:  # one for every section streamed
+                chunk = self._alloc("receive", self.world * bound, torch.uint8, device)
+            for start in range(0, size, bound):
+                end = min(size, start + bound)
+                rows = chunk[:self.world * (end - start)].view(self.world, end - start) \
+                    if keep else None
+                if section == 1:
+                    work = self._all_gather(rows.view(-1), send[start:end])
+                else:
+                    work = dist.gather(send[start:end], list(rows.unbind(0)) if keep else None,
+                                       group=self.group, group_dst=0, async_op=True)
+                self._wait(work, self.group)
+                if keep:
+                    _unpack_chunk(rows, start, end, segments)
+            if keep:
+                done.update(plan.finish(values))
+        return received, done
 
     def _layouts(self, heads: list, pack, prev, device) -> tuple:
         """Every rank's layout: from the previous trace where a rank's repeats, else sent."""
@@ -206,8 +254,8 @@ class Exchange:
         for name in ("send", "receive"):  # a guess sent before is freed by now
             self.allocated.pop(name, None)
         sends = [self._alloc("send", size, torch.uint8, device) for size in sizes]
-        if pack is not None and all(n <= size for n, size in zip(pack.nbytes, sizes)):
-            pack.write(sends, tensors)
+        if pack is not None and all(n <= size for n, size in zip(pack.nbytes, sizes) if size):
+            pack.write({i: send for i, send in enumerate(sends) if sizes[i]}, tensors)
         started = []
         for section, (send, size) in enumerate(zip(sends, sizes)):
             if not size:
@@ -240,6 +288,25 @@ class Exchange:
     def _alloc(self, name: str, count: int, dtype, device) -> torch.Tensor:
         self.allocated[name] = self.allocated.get(name, 0) + count * dtype.itemsize
         return torch.empty(count, dtype=dtype, device=device)
+
+
+def _bound(heads: list) -> int:
+    """The chunk bound the ranks agree on: the smallest any rank set (0: none)."""
+    return min((h[5] for h in heads if h[5]), default=0)
+
+
+def _streamed(sizes: tuple, bound: int) -> bool:
+    return bool(bound) and max(sizes) > bound
+
+
+def _unpack_chunk(rows: torch.Tensor, start: int, end: int, segments: list) -> None:
+    """Copy the bytes ``start:end`` of every rank's section (``rows``) to where they belong:
+    ``segments[r]`` lists rank r's tensors as ``(offset, nbytes, destination bytes)``."""
+    for r, spans in enumerate(segments):
+        for offset, nbytes, dest in spans:
+            lo, hi = max(offset, start), min(offset + nbytes, end)
+            if lo < hi:
+                dest[lo - offset: hi - offset].copy_(rows[r, lo - start: hi - start])
 
 
 def _sizes(heads: list) -> tuple:
@@ -290,17 +357,19 @@ class _Pack:
         # one shape and dtype, no padding: the section is one [S, *shape] block for torch.stack
         self.stack = [_uniform([self.specs[i] for i in section]) for section in self.sections]
 
-    def write(self, sends: list, tensors: list):
-        for section, send, stack, nbytes in zip(self.sections, sends, self.stack, self.nbytes):
-            if not section:
+    def write(self, sends: dict, tensors: list):
+        """Pack the sections ``sends`` names (section -> its send buffer)."""
+        for section, send in sends.items():
+            indices, nbytes = self.sections[section], self.nbytes[section]
+            if not indices:
                 continue
-            parts = [tensors[i] for i in section] if len(section) != len(tensors) else tensors
-            if stack:
-                dtype, shape = self.specs[section[0]][:2]
+            parts = [tensors[i] for i in indices] if len(indices) != len(tensors) else tensors
+            if self.stack[section]:
+                dtype, shape = self.specs[indices[0]][:2]
                 torch.stack(parts, out=send[:nbytes].view(dtype).view(len(parts), *shape))
             else:
                 foreach_copy_([send[o: o + n].view(d).view(s) for d, s, _, _, o, n, _ in
-                               (self.specs[i] for i in section)], parts)
+                               (self.specs[i] for i in indices)], parts)
 
 
 def _uniform(specs: list) -> bool:
@@ -337,18 +406,51 @@ class _Plan:
                     and all(self.dims[i] == 0 for i in section))
             self.even.append(section if even else None)
 
-    def apply(self, received: list, device) -> list[torch.Tensor]:
-        """The wanted values, in save order, on ``device``, from each section's receive rows."""
+    def apply(self, received: list, device, done: dict) -> list[torch.Tensor]:
+        """The wanted values, in save order, on ``device``: those in ``done`` (streamed), the
+        others from their section's receive rows."""
         received = [torch.empty(self.world, 0, dtype=torch.uint8) if rows is None else rows
                     for rows in received]  # (a section of empty tensors sends nothing)
-        values = {}
+        values = dict(done)
         for rows, even in zip(received, self.even):
-            if even:
+            if even and even[0] not in done:
                 values.update(zip(even, self._even(rows, even, device)))
         for i in self.wanted:
             if i not in values:
                 values[i] = self._joined(received, i, device)
         return [values[i] for i in self.wanted]
+
+    def destinations(self, section: int, device) -> tuple:
+        """For streaming ``section``: its wanted values, fresh, and where each rank's bytes of
+        each go, ``[[(offset in the section, nbytes, destination bytes)]]`` per rank. A rank's
+        part of a value is a byte range of it when contiguous (joined on dim 0, or stacked);
+        otherwise it is received whole into a part of its own, copied in by ``finish``."""
+        values, segments = {}, [[] for _ in self.specs]
+        mode = _MODES[section]
+        for i in self.wanted:
+            dtype = self.specs[0][i][0]
+            if self.specs[0][i][2] != mode:
+                continue
+            out = torch.empty(self.shapes[i], dtype=dtype, device=device)
+            dim, at, staged = self.dims[i], 0, []
+            for r, spec in enumerate(self.specs):
+                size = spec[i][1][dim] if spec[i][1] else 1
+                part = out.narrow(dim, at, size)
+                at += size
+                if not part.is_contiguous():
+                    staged.append((part, torch.empty(part.shape, dtype=dtype, device=device)))
+                    part = staged[-1][1]
+                segments[r].append((spec[i][4], spec[i][5], part.view(-1).view(torch.uint8)))
+            values[i] = (out, staged)
+        return values, segments
+
+    @staticmethod
+    def finish(values: dict) -> dict:
+        """The streamed values, their staged parts copied in."""
+        for out, staged in values.values():
+            for part, whole in staged:
+                part.copy_(whole)
+        return {i: out for i, (out, _) in values.items()}
 
     def _even(self, rows: torch.Tensor, section: list, device) -> tuple:
         dtype, shape, _, _, offset, _, _ = self.specs[0][section[0]]

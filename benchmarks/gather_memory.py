@@ -1,6 +1,7 @@
 """What the end-of-trace gather of gather="rank0" saves costs each rank in memory and in time.
 
     for w in 2 4 8; do OMP_NUM_THREADS=1 torchrun --nproc_per_node $w benchmarks/gather_memory.py; done
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 8 benchmarks/gather_memory.py --chunk-mib 1
 
 S saved tensors of ``--mib`` MiB each (float32, rows joined on dim 0) are gathered to rank 0 by
 distgrad's exchange (what ``end_trace`` calls). Memory, per rank, for one gather of fresh
@@ -30,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import distgrad
 from distgrad.engines.ranks import gather
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -50,7 +52,11 @@ def main():
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--mib", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--chunk-mib", type=float, default=None,
+                        help="distgrad.config.gather_chunk_bytes, in MiB (default: none)")
     args = parser.parse_args()
+    if args.chunk_mib:
+        distgrad.config.gather_chunk_bytes = int(args.chunk_mib * MIB)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -118,7 +124,7 @@ def main():
     dist.all_gather_object(everyone, results)
     if rank == 0:
         print(f"torch {torch.__version__}, world {world}, gloo, {args.mib} MiB a save, "
-              f"median of {args.steps}")
+              f"chunks of {args.chunk_mib or '-'} MiB, median of {args.steps}")
         print("\n| world | S | rank 0 allocated / RSS growth MiB | other ranks' largest allocated "
               "/ RSS growth MiB | distgrad us | by hand us | raw gather us |")
         print("|---:|---:|---:|---:|---:|---:|---:|")

@@ -6,11 +6,15 @@ dims and labels). When a rank's layout changed, they ``all_gather`` the layouts 
 bytes a saved tensor), so that every rank checks alike that the ranks saved the same values and
 that they join. Then the payload: the bytes of the ``gather="rank0"`` saves go to rank 0 alone
 (``dist.gather``), those of the ``gather="all"`` saves to every rank (``all_gather``). Each rank
-sends one buffer per kind, of the largest rank's size (collectives take one size on every
+sends one buffer per kind (the payload's two sections), of the largest rank's size (collectives take one size on every
 rank), so a rank other than 0 allocates its own saved bytes (padded to the largest rank's on an
 uneven batch), the headers and, when the layouts change, the layouts: whatever the world size,
 it receives no payload of ``gather="rank0"`` saves. Ranks may save tensors of different sizes
 on the joined dimension (an uneven last batch).
+
+With ``distgrad.config.gather_chunk_bytes`` set, a section larger than the bound is streamed:
+several collectives of at most that many bytes a rank, each chunk copied into the global values
+before the next, so the receive buffer is ``world * bound`` bytes (``Exchange._stream``).
 
 In a training loop whose layouts repeat, every rank knows the sizes of the previous trace, so
 all of them send the payload right behind the header, without waiting for it; if the headers

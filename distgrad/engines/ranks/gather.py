@@ -120,6 +120,7 @@ class Exchange:
         self._prev = None  # (all ranks' headers, layouts, plan) of the previous completed trace
         self.allocated: dict = {}
         self.guessed = False
+        self._root = dist.get_global_rank(group, 0)  # gather's dst: a global rank (torch < 2.6)
 
     def __call__(self, saves: list) -> None:
         """Gather one trace's saves, ``(obj, mode, dim)`` in save order, and rebind each saved
@@ -230,7 +231,7 @@ class Exchange:
                     work = self._all_gather(rows.view(-1), send[start:end])
                 else:
                     work = dist.gather(send[start:end], list(rows.unbind(0)) if keep else None,
-                                       group=self.group, group_dst=0, async_op=True)
+                                       dst=self._root, group=self.group, async_op=True)
                 self._wait(work, self.group)
                 if keep:
                     _unpack_chunk(rows, start, end, segments)
@@ -271,7 +272,7 @@ class Exchange:
                 work = self._all_gather(rows.view(-1), send)
             else:
                 work = dist.gather(send, list(rows.unbind(0)) if keep else None,
-                                   group=self.group, group_dst=0, async_op=True)
+                                   dst=self._root, group=self.group, async_op=True)
             started.append((section, work, rows))
         return started
 

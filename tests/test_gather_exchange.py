@@ -16,4 +16,4 @@ def test_exchange_values_with_and_without_chunks(world):
     procs = run_ranks([JOB], world, timeout=120)
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
-        assert "bound 8:" in proc.stdout, proc.stdout[-3000:]
+        assert "bound 8, small None:" in proc.stdout, proc.stdout[-3000:]

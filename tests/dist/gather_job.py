@@ -33,9 +33,12 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     wrong = []
-    for bound in [None, 8, 16, 40, 1 << 20]:
+    # small=0: no gather is small enough for one all_gather of headers and payload
+    for bound, small in [(None, None), (None, 0), (8, None), (16, None), (40, None), (1 << 20, 0)]:
         distgrad.config.gather_chunk_bytes = bound
         exchange = Exchange(dist.group.WORLD, rank, world)
+        if small is not None:
+            exchange.small_bytes = small
         guessed = []
         for step in range(6):
             saves = [(t, m, d) for t, m, d in zip(tensors(step, rank), MODES, DIMS)]
@@ -58,7 +61,7 @@ def main():
         expect_guessed = [False, True, True, False, False, True]
         if guessed != [g and not streamed for g in expect_guessed]:
             wrong.append(f"bound {bound}: payload sent before the headers {guessed}")
-        print(f"rank {rank} bound {bound}: {exchange.allocated}", flush=True)
+        print(f"rank {rank} bound {bound}, small {small}: {exchange.allocated}", flush=True)
     dist.destroy_process_group()
     if wrong:
         print(f"rank {rank} wrong:\n" + "\n".join(wrong), flush=True)

@@ -197,7 +197,9 @@ def case_uneven(model, wrapped, rank, world):
 def case_gather_memory(model, wrapped, rank, world):
     """gather="rank0" saves go to rank 0 alone: a rank other than 0 allocates its own saved bytes
     and 48 bytes of header a rank, and receives nothing, whatever the world size (the job runs
-    on 2 and on 4 ranks); rank 0 receives every rank's bytes. gather="all" saves still reach
+    on 2 and on 4 ranks), except where a repeated gather of all ranks is at most
+    Exchange.small_bytes (here on 2 ranks, not on 4): then one all_gather of headers and
+    payload, at most that constant; rank 0 receives every rank's bytes. gather="all" saves still reach
     every rank. Values equal the oracle's, also landed on the CPU by config.gather_device,
     streamed in chunks of config.gather_chunk_bytes (the receive buffer is then world x the
     bound), and on the steady path (a trace that repeats the one before sends the payload
@@ -225,13 +227,15 @@ def case_gather_memory(model, wrapped, rank, world):
                 total = loss.detach().save(gather=mode)  # 0-dim: 8 bytes padded from 4
             own = logits_bytes + 2 * 8 * ref["g0"].shape[-1] * 4 + 8
             got = exchange.allocated
-            if got.get("send") != own or got.get("headers") != 48 * world:
-                raise AssertionError(f"step {step} ({mode}): sent {got}, own saves {own} bytes")
             kept = rank == 0 or mode == "all"
-            if got.get("receive", 0) != (world * (bound or own) if kept else 0):
-                expected = f"{world} x {bound or own} bytes" if kept else "nothing"
-                raise AssertionError(f"step {step} ({mode}) rank {rank} allocated {got}; "
-                                     f"expected to receive {expected}")
+            expected = {"headers": 48 * world, "send": own,
+                        "receive": world * (bound or own) if kept else 0}
+            if exchange.guessed and world * (48 + own) <= exchange.small_bytes:
+                # small and repeated: one all_gather of headers and payload, at most 64 KiB
+                expected["receive"] = world * own
+            if {k: got.get(k, 0) for k in expected} != expected:
+                raise AssertionError(f"step {step} ({mode}) rank {rank} allocated {got}, "
+                                     f"expected {expected}")
             steady = step in (1, 2, 4)  # a trace that repeats the one before it
             if exchange.guessed != steady or steady and "layouts" in got:
                 raise AssertionError(f"step {step}: payload sent before the headers: "

@@ -18,7 +18,9 @@ before the next, so the receive buffer is ``world * bound`` bytes (``Exchange._s
 
 In a training loop whose layouts repeat, every rank knows the sizes of the previous trace, so
 all of them send the payload right behind the header, without waiting for it; if the headers
-then show that some rank's saves changed, the payload is sent again with the right sizes.
+then show that some rank's saves changed, the payload is sent again with the right sizes. When
+all ranks' headers and payload together are at most ``Exchange.small_bytes`` (64 KiB), they go
+as one ``all_gather``: one round trip, and every rank receives at most that constant.
 
 Each trace ends with the saved tensors rebound to their global values (``tensor.data =
 value``), on the saved tensor's device or on ``distgrad.config.gather_device``. The global
@@ -108,7 +110,11 @@ class Exchange:
     global value of: on rank 0 all saves, elsewhere only the ``gather="all"`` ones); for a
     payload sent twice (the headers showed a change), the second, the first being freed.
     ``guessed``: whether the last exchange's payload was the one sent before the headers were
-    read (the steady path of a training loop)."""
+    read (the steady path of a training loop). ``small_bytes``: a steady gather whose headers
+    and payload from all ranks together are at most this many bytes (64 KiB) is one
+    ``all_gather`` of both, which every rank receives: the constant a rank other than 0 may
+    receive; its ``allocated`` then counts that collective's buffers by their parts (headers,
+    this rank's payload, all ranks' payloads)."""
 
     def __init__(self, group, rank: int, world: int, wait=None):
         self.group, self.rank, self.world = group, rank, world
@@ -120,6 +126,10 @@ class Exchange:
         self._prev = None  # (all ranks' headers, layouts, plan) of the previous completed trace
         self.allocated: dict = {}
         self.guessed = False
+        # a repeated gather of at most this many bytes from all ranks together goes as one
+        # all_gather of headers and payload (one round trip instead of two; every rank then
+        # receives the payload, which at this size costs less than the second round trip)
+        self.small_bytes = 64 << 10
         self._root = dist.get_global_rank(group, 0)  # gather's dst: a global rank (torch < 2.6)
 
     def __call__(self, saves: list) -> None:
@@ -157,15 +167,21 @@ class Exchange:
         bound = _round8(max(int(bound), 8)) if bound else 0
         head = [len(tensors), *pack.nbytes, 0 if same else len(pack.meta), int(same), bound]
         device = tensors[0].device if tensors else _CPU
-        heads = self._alloc("headers", self.world * _HEADER, torch.int64, device)
-        work = self._all_gather(heads, torch.tensor(head).to(device))
-        sent = None
-        # every rank alike: the sizes of the previous trace, guessed again (not when they were
-        # streamed in chunks: each chunk is unpacked before the next, which needs the headers)
+        sent = guess = None
         if prev is not None and not _streamed(_sizes(prev[0]), _bound(prev[0])):
-            sent = self._send(pack if same else None, tensors, _sizes(prev[0]), device)
-        self._wait(work, self.group)
-        heads = heads.view(self.world, _HEADER).tolist()
+            guess = _sizes(prev[0])  # every rank alike: the sizes of the previous trace again
+        if guess is not None and self.world * (8 * _HEADER + sum(guess)) <= self.small_bytes:
+            # small: one all_gather of headers and payload, as every rank sees them
+            heads, sent = self._small(head, pack if same else None, tensors, guess, device)
+        else:
+            heads = self._alloc("headers", self.world * _HEADER, torch.int64, device)
+            work = self._all_gather(heads, torch.tensor(head).to(device))
+            # sent right behind the headers (not when streamed in chunks: each chunk is unpacked
+            # before the next, which needs the headers)
+            if guess is not None:
+                sent = self._send(pack if same else None, tensors, guess, device)
+            self._wait(work, self.group)
+            heads = heads.view(self.world, _HEADER).tolist()
         target = config.gather_device or device
         done: dict = {}
         if prev is not None and all(h[4] and h[:3] == p[:3] and h[5] == p[5]
@@ -173,7 +189,7 @@ class Exchange:
             layouts, plan = prev[1], prev[2]  # as before: nothing to check, nothing to plan
         else:
             if sent is not None:
-                self._received(sent)  # every rank waits for it, then drops it
+                self._received(sent)  # every rank waits for it (if not done), then drops it
                 sent = None
             counts = [h[0] for h in heads]
             if len(set(counts)) != 1:
@@ -204,6 +220,25 @@ class Exchange:
         if len(plan.wanted) == len(tensors):
             return list(zip(tensors, values))
         return [(tensors[i], v) for i, v in zip(plan.wanted, values)]
+
+    def _small(self, head: list, pack, tensors: list, sizes: tuple, device) -> tuple:
+        """Headers and a guessed payload in one ``all_gather``: every rank's headers, and the
+        payload as already received sections (``_received``'s form)."""
+        start = 8 * _HEADER
+        size = start + sum(sizes)
+        # counted by their parts, as if apart: the headers, this rank's payload, all payloads
+        self.allocated.update(headers=self.world * start, send=sum(sizes),
+                              receive=self.world * sum(sizes))
+        send = torch.empty(size, dtype=torch.uint8, device=device)
+        send[:start].view(torch.int64).copy_(torch.tensor(head))
+        if pack is not None and all(n <= g for n, g in zip(pack.nbytes, sizes) if g):
+            bounds = (start, start + sizes[0], size)
+            pack.write({i: send[bounds[i]: bounds[i + 1]] for i in (0, 1) if sizes[i]}, tensors)
+        rows = torch.empty(self.world, size, dtype=torch.uint8, device=device)
+        self._wait(self._all_gather(rows.view(-1), send), self.group)
+        heads = rows[:, :start].view(torch.int64).tolist()
+        return heads, [(0, None, rows[:, start: start + sizes[0]]),
+                       (1, None, rows[:, start + sizes[0]:])]
 
     def _stream(self, plan, pack, tensors: list, sizes: tuple, bound: int, device, target):
         """The payload of each section larger than ``bound`` in collectives of at most
@@ -280,7 +315,8 @@ class Exchange:
         """Wait for the payload's collectives; the receive rows of each section (or None)."""
         rows = [None, None]
         for section, work, received in started:
-            self._wait(work, self.group)
+            if work is not None:  # (None: received already, with the headers)
+                self._wait(work, self.group)
             rows[section] = received
         return rows
 

@@ -19,7 +19,7 @@ before the next, so the receive buffer is ``world * bound`` bytes (``Exchange._s
 In a training loop whose layouts repeat, every rank knows the sizes of the previous trace, so
 all of them send the payload right behind the header, without waiting for it; if the headers
 then show that some rank's saves changed, the payload is sent again with the right sizes. When
-all ranks' headers and payload together are at most ``Exchange.small_bytes`` (64 KiB), they go
+all ranks' headers and payload together are at most ``Exchange.small_bytes`` (256 KiB), they go
 as one ``all_gather``: one round trip, and every rank receives at most that constant.
 
 Each trace ends with the saved tensors rebound to their global values (``tensor.data =
@@ -111,7 +111,7 @@ class Exchange:
     payload sent twice (the headers showed a change), the second, the first being freed.
     ``guessed``: whether the last exchange's payload was the one sent before the headers were
     read (the steady path of a training loop). ``small_bytes``: a steady gather whose headers
-    and payload from all ranks together are at most this many bytes (64 KiB) is one
+    and payload from all ranks together are at most this many bytes (256 KiB) is one
     ``all_gather`` of both, which every rank receives: the constant a rank other than 0 may
     receive; its ``allocated`` then counts that collective's buffers by their parts (headers,
     this rank's payload, all ranks' payloads)."""
@@ -129,7 +129,8 @@ class Exchange:
         # a repeated gather of at most this many bytes from all ranks together goes as one
         # all_gather of headers and payload (one round trip instead of two; every rank then
         # receives the payload, which at this size costs less than the second round trip)
-        self.small_bytes = 64 << 10
+        self.small_bytes = 256 << 10
+        self._small_buffers = None  # (key, buffers and views) of the last small gather
         self._root = dist.get_global_rank(group, 0)  # gather's dst: a global rank (torch < 2.6)
 
     def __call__(self, saves: list) -> None:
@@ -225,20 +226,28 @@ class Exchange:
         """Headers and a guessed payload in one ``all_gather``: every rank's headers, and the
         payload as already received sections (``_received``'s form)."""
         start = 8 * _HEADER
-        size = start + sum(sizes)
         # counted by their parts, as if apart: the headers, this rank's payload, all payloads
         self.allocated.update(headers=self.world * start, send=sum(sizes),
                               receive=self.world * sum(sizes))
-        send = torch.empty(size, dtype=torch.uint8, device=device)
-        send[:start].view(torch.int64).copy_(torch.tensor(head))
-        if pack is not None and all(n <= g for n, g in zip(pack.nbytes, sizes) if g):
+        cached = self._small_buffers  # at most small_bytes: kept from trace to trace
+        if cached is None or cached[0] != (sizes, device):
+            size = start + sum(sizes)
+            send = torch.empty(size, dtype=torch.uint8, device=device)
+            rows = torch.empty(self.world, size, dtype=torch.uint8, device=device)
             bounds = (start, start + sizes[0], size)
-            pack.write({i: send[bounds[i]: bounds[i + 1]] for i in (0, 1) if sizes[i]}, tensors)
-        rows = torch.empty(self.world, size, dtype=torch.uint8, device=device)
+            cached = self._small_buffers = (
+                (sizes, device), send, rows, send[:start].view(torch.int64), [None],
+                {i: send[bounds[i]: bounds[i + 1]] for i in (0, 1) if sizes[i]},
+                rows[:, :start].view(torch.int64),
+                [(i, None, rows[:, bounds[i]: bounds[i + 1]]) for i in (0, 1)])
+        _, send, rows, head_view, written, parts, heads, received = cached
+        if written[0] != head:
+            head_view.copy_(torch.tensor(head))
+            written[0] = head
+        if pack is not None and all(n <= g for n, g in zip(pack.nbytes, sizes) if g):
+            pack.write(parts, tensors, keep=True)
         self._wait(self._all_gather(rows.view(-1), send), self.group)
-        heads = rows[:, :start].view(torch.int64).tolist()
-        return heads, [(0, None, rows[:, start: start + sizes[0]]),
-                       (1, None, rows[:, start + sizes[0]:])]
+        return heads.tolist(), received
 
     def _stream(self, plan, pack, tensors: list, sizes: tuple, bound: int, device, target):
         """The payload of each section larger than ``bound`` in collectives of at most
@@ -397,20 +406,33 @@ class _Pack:
                        for section in self.sections]
         # one shape and dtype, no padding: the section is one [S, *shape] block for torch.stack
         self.stack = [_uniform([self.specs[i] for i in section]) for section in self.sections]
+        self._views = None  # (send buffers kept from trace to trace, the views into them)
 
-    def write(self, sends: dict, tensors: list):
-        """Pack the sections ``sends`` names (section -> its send buffer)."""
-        for section, send in sends.items():
-            indices, nbytes = self.sections[section], self.nbytes[section]
-            if not indices:
-                continue
+    def write(self, sends: dict, tensors: list, keep: bool = False):
+        """Pack the sections ``sends`` names (section -> its send buffer). ``keep``: the
+        buffers are kept from trace to trace, so the views into them are kept too."""
+        views = self._views
+        if views is None or views[0] is not sends:
+            views = (sends, {section: self._views_into(section, send)
+                             for section, send in sends.items() if self.sections[section]})
+            self._views = views if keep else None  # (a buffer used once is not held on to)
+        for section, view in views[1].items():
+            indices = self.sections[section]
             parts = [tensors[i] for i in indices] if len(indices) != len(tensors) else tensors
             if self.stack[section]:
-                dtype, shape = self.specs[indices[0]][:2]
-                torch.stack(parts, out=send[:nbytes].view(dtype).view(len(parts), *shape))
+                torch.stack(parts, out=view)
             else:
-                foreach_copy_([send[o: o + n].view(d).view(s) for d, s, _, _, o, n, _ in
-                               (self.specs[i] for i in indices)], parts)
+                foreach_copy_(view, parts)
+
+    def _views_into(self, section: int, send: torch.Tensor):
+        """Where each tensor of ``section`` goes in ``send``: one ``[S, *shape]`` block for
+        ``torch.stack``, or a view per tensor."""
+        indices = self.sections[section]
+        if self.stack[section]:
+            dtype, shape = self.specs[indices[0]][:2]
+            return send[:self.nbytes[section]].view(dtype).view(len(indices), *shape)
+        return [send[o: o + n].view(d).view(s) for d, s, _, _, o, n, _ in
+                (self.specs[i] for i in indices)]
 
 
 def _uniform(specs: list) -> bool:

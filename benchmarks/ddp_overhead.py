@@ -79,7 +79,7 @@ def main():
         flat = torch.cat([t.reshape(-1) for t in tensors])
         parts = [torch.empty_like(flat) for _ in range(world)]
         exchange = gather.Exchange(dist.group.WORLD, rank, world)
-        exchange(saves)  # the first call agrees on a buffer size; later ones are one collective
+        exchange(saves)  # the first call agrees on the layouts; later ones send header and payload at once
         for tensor, original in zip(tensors, originals):
             tensor.data = original
         one, ours = [], []

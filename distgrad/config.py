@@ -3,9 +3,16 @@ from __future__ import annotations
 
 import types
 
-config = types.SimpleNamespace(backward_mode="auto", failure_timeout=10.0, body_mode="auto")
+config = types.SimpleNamespace(backward_mode="auto", failure_timeout=10.0, body_mode="auto",
+                               gather_device=None, gather_chunk_bytes=None)
 """``body_mode``: ``"auto"`` (a trace body that qualifies runs as a generator resumed by the
 run's hooks; see fastpath/rewrite.py) or ``"greenlet"`` (every body runs in place).
 ``backward_mode``: ``"auto"`` (greenlet for a CPU backward, a worker thread when CUDA is in
 use), ``"greenlet"`` or ``"thread"``. ``failure_timeout``: seconds a rank whose collective
-broke waits for the failing rank's message before reporting that a peer was lost."""
+broke waits for the failing rank's message before reporting that a peer was lost.
+``gather_device``: where a multi-process engine puts the global values of saved tensors (rank
+0's for ``gather="rank0"``, every rank's for ``gather="all"``): None (the saved tensor's
+device) or a device, e.g. ``"cpu"`` to keep the global batch off rank 0's GPU.
+``gather_chunk_bytes``: None, or the most bytes a rank sends in one collective of that gather:
+larger saves are streamed in chunks, each copied into the global values before the next, so
+that the receive buffer is world size x this bound (the ranks use the smallest they set)."""

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import ENGINES, case_report, read_results, run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "job.py")
-CASES = ["case_wrapper_names", "case_generate_result", "case_read_edit", "case_saves", "case_steady_saves", "case_uneven", "case_watch_only_in_traces",
+CASES = ["case_wrapper_names", "case_generate_result", "case_read_edit", "case_saves", "case_steady_saves", "case_gather_memory", "case_uneven", "case_watch_only_in_traces",
          "case_param_write",
          "case_rank_dependent_save", "case_different_values_saved", "case_no_cycles", "case_param_grad_save",
          "case_failure"]
@@ -87,6 +87,13 @@ def test_rank_dependent_param_grad(engine, tmp_path_factory):
     for rank, (proc, result) in enumerate(zip(procs, results)):
         assert proc.returncode == 0, f"{engine} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
         assert result.get("case_rank_dependent_param_grad") == "ok", f"{engine} rank {rank}:\n{result}"
+
+
+def test_gather_memory_four_ranks(tmp_path_factory):
+    """On 4 ranks as on 2: a rank other than 0 sends its own saved bytes and receives none of
+    the gather="rank0" saves; rank 0 receives 4 ranks' bytes and the oracle's values."""
+    procs, results = _job("ddp", "gather_memory", tmp_path_factory, world=4)
+    check_case("ddp", procs, results, "case_gather_memory")
 
 
 @pytest.mark.slow

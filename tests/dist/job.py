@@ -194,6 +194,68 @@ def case_uneven(model, wrapped, rank, world):
     clear_grads(wrapped)
 
 
+def case_gather_memory(model, wrapped, rank, world):
+    """gather="rank0" saves go to rank 0 alone: a rank other than 0 allocates its own saved bytes
+    and 48 bytes of header a rank, and receives nothing, whatever the world size (the job runs
+    on 2 and on 4 ranks); rank 0 receives every rank's bytes. (A repeated gather of at most
+    Exchange.small_bytes from all ranks is one all_gather of headers and payload, received by
+    every rank: turned off here, to see the rule on saves of any size; tests/dist/gather_job.py
+    covers both.) gather="all" saves still reach
+    every rank. Values equal the oracle's, also landed on the CPU by config.gather_device,
+    streamed in chunks of config.gather_chunk_bytes (the receive buffer is then world x the
+    bound), and on the steady path (a trace that repeats the one before sends the payload
+    before the headers; not when streamed)."""
+    engine = model._engine
+    exchange = getattr(engine, "inner", engine)._exchange  # accelerate composes another engine
+    sizes = [2] * world
+    ids = global_ids(sum(sizes))
+    local = ids[rows_of(rank, sizes)]
+    ref = oracle(ids)
+    logits_bytes = 2 * 8 * ref["losses"].shape[-1] * 4  # [2, 8, vocab] floats a rank
+    small, exchange.small_bytes = exchange.small_bytes, 0
+    try:
+        steps = ([("rank0", None, None)] * 3 + [("all", None, None)] * 2 +
+                 [("rank0", "cpu", None), ("all", "cpu", None)] +
+                 [("rank0", None, 4096)] * 2 + [("all", "cpu", 4096)])
+        for step, (mode, device, bound) in enumerate(steps):
+            distgrad.config.gather_device = device
+            distgrad.config.gather_chunk_bytes = bound  # the logits: 24 KiB a rank, 6 chunks
+            with model.trace(local):
+                a = model.transformer.h[0].output
+                logits = model.output.logits.save(gather=mode)
+                loss = model.output.logits.sum() * SCALE
+                with loss.backward():
+                    g = a.grad.save(gather=mode)
+                total = loss.detach().save(gather=mode)  # 0-dim: 8 bytes padded from 4
+            own = logits_bytes + 2 * 8 * ref["g0"].shape[-1] * 4 + 8
+            got = exchange.allocated
+            kept = rank == 0 or mode == "all"
+            expected = {"headers": 48 * world, "send": own,
+                        "receive": world * (bound or own) if kept else 0}
+            if {k: got.get(k, 0) for k in expected} != expected:
+                raise AssertionError(f"step {step} ({mode}) rank {rank} allocated {got}, "
+                                     f"expected {expected}")
+            steady = step in (1, 2, 4)  # a trace that repeats the one before it
+            if exchange.guessed != steady or steady and "layouts" in got:
+                raise AssertionError(f"step {step}: payload sent before the headers: "
+                                     f"{exchange.guessed}, allocated {got}")
+            if kept:
+                close(logits, ref["losses"], f"gathered logits, step {step} ({mode})")
+                close(g, ref["g0"], f"gathered h[0] gradient, step {step} ({mode})")
+                close(total, torch.stack([ref["losses"][rows_of(r, sizes)].sum() * SCALE
+                                          for r in range(world)]), f"saved loss, step {step}")
+            else:
+                close(logits, ref["losses"][rows_of(rank, sizes)], f"local logits, step {step}")
+                close(g, ref["g0"][rows_of(rank, sizes)], f"local gradient, step {step}")
+            if kept and device is not None:
+                for value in (logits, g, total):
+                    assert value.device == torch.device(device), (step, value.device)
+            clear_grads(wrapped)
+    finally:
+        distgrad.config.gather_device = distgrad.config.gather_chunk_bytes = None
+        exchange.small_bytes = small
+
+
 def case_watch_only_in_traces(model, wrapped, rank, world):
     """The failure watcher reads the store only while a trace runs."""
     engine = model._engine
@@ -451,9 +513,10 @@ def case_param_grad_save(model, wrapped, rank, world):
         clear_grads(wrapped)
 
 
-CASES = {"all": [case_wrapper_names, case_generate_result, case_read_edit, case_saves, case_steady_saves, case_uneven, case_watch_only_in_traces, case_param_write,
+CASES = {"all": [case_wrapper_names, case_generate_result, case_read_edit, case_saves, case_steady_saves, case_gather_memory, case_uneven, case_watch_only_in_traces, case_param_write,
                  case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_param_grad_save, case_failure],
          "fails_on_rank1": [case_fails_on_rank1, case_saves],
+         "gather_memory": [case_gather_memory],
          "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad],
          # many ranks or nodes: parity, gathers of every rank's rows, uneven batches, a failure
          "at_scale": [case_read_edit, case_saves, case_uneven, case_generate_result, case_failure]}

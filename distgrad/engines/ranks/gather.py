@@ -1,20 +1,32 @@
-"""Moving saved values to rank 0 in one collective, whatever their number.
+"""Moving saved values to the ranks that keep them: rank 0, or every rank for ``gather="all"``.
 
-Every rank packs one byte buffer: a header, the bytes of every saved tensor, and (only when its
-layout, the saves' shapes/dtypes/modes/dims, differs from its previous trace) that layout. The
-ranks ``all_gather`` those buffers. ``all_gather`` needs one size on every rank, so buffers have
-a capacity the ranks agreed on in an earlier trace; a rank whose saves do not fit sends only its
-header with the size it needs, every rank sees that, and the ranks repeat once with the larger
-capacity. Ranks may save tensors of different sizes on the joined dimension (an uneven last
-batch). In a training loop with fixed shapes every trace after the first costs one collective (from
-the third on, of exactly the saved bytes plus 40), for S saved tensors as for one.
+Every trace, the ranks ``all_gather`` a fixed header of 48 bytes each (how many tensors each
+saved, how many bytes it sends, whether its layout repeats: the saves' shapes, dtypes, modes,
+dims and labels). When a rank's layout changed, they ``all_gather`` the layouts next (tens of
+bytes a saved tensor), so that every rank checks alike that the ranks saved the same values and
+that they join. Then the payload: the bytes of the ``gather="rank0"`` saves go to rank 0 alone
+(``dist.gather``), those of the ``gather="all"`` saves to every rank (``all_gather``). Each rank
+sends one buffer per kind (the payload's two sections), of the largest rank's size (collectives take one size on every
+rank), so a rank other than 0 allocates its own saved bytes (padded to the largest rank's on an
+uneven batch), the headers and, when the layouts change, the layouts: whatever the world size,
+it receives no payload of ``gather="rank0"`` saves. Ranks may save tensors of different sizes
+on the joined dimension (an uneven last batch).
 
-Each trace ends with the saved tensors rebound to their global values (``tensor.data = value``).
-What is left that grows with S is the Python per tensor (read its dtype and shape, pass it to
-one packing call, get a view back from one unpacking call, rebind it): packing and unpacking are
-single C++ calls for the common case of S saves of one shape and dtype, everything else is
-planned once per layout and cached, and in a steady training loop the views are made and bound
-while the collective runs (it very likely repeats the last trace; undone when it does not).
+With ``distgrad.config.gather_chunk_bytes`` set, a section larger than the bound is streamed:
+several collectives of at most that many bytes a rank, each chunk copied into the global values
+before the next, so the receive buffer is ``world * bound`` bytes (``Exchange._stream``).
+
+In a training loop whose layouts repeat, every rank knows the sizes of the previous trace, so
+all of them send the payload right behind the header, without waiting for it; if the headers
+then show that some rank's saves changed, the payload is sent again with the right sizes. When
+all ranks' headers and payload together are at most ``Exchange.small_bytes`` (256 KiB), they go
+as one ``all_gather``: one round trip, and every rank receives at most that constant.
+
+Each trace ends with the saved tensors rebound to their global values (``tensor.data =
+value``), on the saved tensor's device or on ``distgrad.config.gather_device``. The global
+values are fresh tensors; the buffers live for one trace. Packing and unpacking are single
+calls for the common case of S saves of one shape and dtype; layouts are planned once and the
+plan is cached.
 """
 from __future__ import annotations
 
@@ -23,17 +35,18 @@ import struct
 import torch
 import torch.distributed as dist
 
+from ...config import config
 from ...saving import saved_label
 from ...torch_internals import allgather_base, foreach_copy_, set_grad_enabled
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
 DTYPE_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
-_MODES = ("rank0", "all")
-# int64s: fits (1 or 0), number of tensors, bytes needed in all, layout length (0 when the
-# layout is that of this rank's previous trace), same layout as before (1 or 0)
-_HEADER = 5
-_START = 8 * _HEADER  # payload offset: 8-byte aligned, so every dtype views in place
+_MODES = ("rank0", "all")  # also the payload's sections, in this order
+# int64s: number of tensors, bytes of gather="rank0" saves, bytes of gather="all" saves,
+# layout length (0 when the layout is that of this rank's previous trace), same layout (1 or 0),
+# this rank's config.gather_chunk_bytes (0: none)
+_HEADER = 6
 _CPU = torch.device("cpu")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _NO_LABELS: dict = {}
@@ -86,21 +99,39 @@ def _round8(n: int) -> int:
 
 
 class Exchange:
-    """One per engine. Every rank keeps the same view of the previous trace (all ranks' layouts
-    and the plan cut from them), so a rank whose layout repeats need not send it again."""
+    """One per engine. Every rank keeps the same view of the previous trace (all ranks' headers
+    and layouts, and the plan cut from them), so a rank whose layout repeats need not send it
+    again, and every rank can send the payload before it has read the headers.
+
+    ``allocated`` (read by the tests and ``benchmarks/gather_memory.py``): the bytes of each
+    buffer this rank allocated for its last exchange, by name: ``"headers"`` (48 bytes a rank),
+    ``"layouts"`` (only when a layout changed), ``"send"`` (this rank's saved bytes, padded to
+    the largest rank's), ``"receive"`` (every rank's bytes of the saves this rank keeps the
+    global value of: on rank 0 all saves, elsewhere only the ``gather="all"`` ones); for a
+    payload sent twice (the headers showed a change), the second, the first being freed.
+    ``guessed``: whether the last exchange's payload was the one sent before the headers were
+    read (the steady path of a training loop). ``small_bytes``: a steady gather whose headers
+    and payload from all ranks together are at most this many bytes (256 KiB) is one
+    ``all_gather`` of both, which every rank receives: the constant a rank other than 0 may
+    receive; its ``allocated`` then counts that collective's buffers by their parts (headers,
+    this rank's payload, all ranks' payloads)."""
 
     def __init__(self, group, rank: int, world: int, wait=None):
         self.group, self.rank, self.world = group, rank, world
         # how to wait for the collective: the engine's wait reads the job's failure key between
         # slices, so a peer that failed (and said so) cannot leave this rank waiting
         self._wait = wait if wait is not None else _plain_wait
-        self.capacity = 0
         self._plans: dict = {}
-        self._buffers = None  # ((size, device), send, receive, headers, rows), reused
-        self._last = None     # this rank's (key, _Pack) of the previous completed trace
-        self._prev = None     # (all ranks' layouts, plan) of the previous completed trace
-        self._steady = None   # every rank's header of the previous trace, if all repeated theirs
-        self._bound = None    # (saved tensors, their local values) while bound early
+        self._last = None  # this rank's (key, _Pack) of the previous completed trace
+        self._prev = None  # (all ranks' headers, layouts, plan) of the previous completed trace
+        self.allocated: dict = {}
+        self.guessed = False
+        # a repeated gather of at most this many bytes from all ranks together goes as one
+        # all_gather of headers and payload (one round trip instead of two; every rank then
+        # receives the payload, which at this size costs less than the second round trip)
+        self.small_bytes = 256 << 10
+        self._small_buffers = None  # (key, buffers and views) of the last small gather
+        self._root = dist.get_global_rank(group, 0)  # gather's dst: a global rank (torch < 2.6)
 
     def __call__(self, saves: list) -> None:
         """Gather one trace's saves, ``(obj, mode, dim)`` in save order, and rebind each saved
@@ -109,23 +140,11 @@ class Exchange:
         saves do not line up; the saved tensors then keep their local values."""
         grad = torch.is_grad_enabled()  # the packing writes to out=, which autograd refuses
         set_grad_enabled(False)  # (cheaper than the torch.no_grad decorator)
-        self._bound = None
         try:
             for tensor, value in self._exchange(saves):
                 tensor.data = value
-        except BaseException:
-            self._unbind()
-            raise
         finally:
             set_grad_enabled(grad)
-
-    def _unbind(self):
-        """Undo an early binding: back to the local values, which the send buffer holds."""
-        if self._bound is not None:
-            tensors, local = self._bound
-            self._bound = None
-            for tensor, value in zip(tensors, local.clone().unbind(0)):
-                tensor.data = value
 
     def _exchange(self, saves: list) -> list:
         tensors, key = [], []
@@ -140,97 +159,209 @@ class Exchange:
                 for t in _tensors(obj, []):
                     tensors.append(t)
                     key.append((t.dtype, t.shape, mode, dim, saved_label(t, labels)))
-        last, prev, steady = self._last, self._prev, self._steady
-        self._last = self._prev = self._steady = None  # set again when this exchange completes
-        same = last is not None and last[0] == key
+        last, prev = self._last, self._prev
+        self._last = self._prev = None  # set again when this exchange completes
+        self.allocated, self.guessed = {}, False
+        same = last is not None and prev is not None and last[0] == key
         pack = last[1] if same else _Pack(key)
-        needed = _START + pack.nbytes + (0 if same else 8 * len(pack.meta))
-        head = [1, len(tensors), needed, 0 if same else len(pack.meta), int(same)]
+        bound = config.gather_chunk_bytes
+        bound = _round8(max(int(bound), 8)) if bound else 0
+        head = [len(tensors), *pack.nbytes, 0 if same else len(pack.meta), int(same), bound]
         device = tensors[0].device if tensors else _CPU
-        # the last trace was one every rank repeated, and this rank repeats it: the others very
-        # likely do too, so the values' tensors are made, and the saved tensors bound to them,
-        # while the collective runs (undone if the others did not repeat theirs)
-        expect = same and steady is not None
-        plan = prev[1] if expect else None
-        while True:
-            fits = needed <= self.capacity
-            send, gathered, heads, rows = self._buffers_for(max(self.capacity, _START), device)
-            if fits:
-                pack.write(send, tensors, head, same)
-            else:  # only the header: the others learn the size this rank needs
-                send[:_START].view(torch.int64).copy_(torch.tensor([0] + head[1:]))
-                pack.written = None
-            work = self._start(gathered, send)
-            early = None
-            if expect and plan.even:  # (even: every tensor is wanted and was packed by stack)
-                early = plan.prepare(device)
-                self._bound = tensors, pack.block
-                for tensor, value in zip(tensors, early[1]):
-                    tensor.data = value
-            self._wait(work, self.group)
-            heads = heads.tolist()  # every rank's header
-            if expect and heads == steady:  # as expected: nothing to check, nothing to plan
-                self._last, self._prev, self._steady = last, prev, steady
-                if early is not None:
-                    plan.fill(rows, early)
-                    self._bound = None
-                    return ()
-                return self._pairs(tensors, plan, plan.apply(rows, device))
-            expect = False
-            self._unbind()  # a repeat packs the saved tensors again: they must be local again
-            if all(h[0] for h in heads):
-                break
-            # headroom for growing shapes; a multiple of 8 so that the headers view as int64
-            self.capacity = _round8(max(h[2] for h in heads) * 5 // 4)
-        counts = [h[1] for h in heads]
-        if len(set(counts)) != 1:
-            raise ValueError(
-                "ranks saved different numbers of tensors in one trace (" +
-                ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)) + "). Save the same "
-                "values on every rank, or use .save(gather='none') for rank-local values.")
-        if prev is not None and all(h[4] for h in heads):
-            layouts, plan = prev  # every rank saved what it saved last time
-            # a layout that repeats is worth its bytes: shrink the headroom to what each rank
-            # needs to send its layout once more (a smaller last batch then still fits)
-            self.capacity = min(self.capacity, _round8(
-                max(h[2] + 8 * len(meta) for h, meta in zip(heads, layouts))))
-            self._steady = heads
+        sent = guess = None
+        if prev is not None and not _streamed(_sizes(prev[0]), _bound(prev[0])):
+            guess = _sizes(prev[0])  # every rank alike: the sizes of the previous trace again
+        if guess is not None and self.world * (8 * _HEADER + sum(guess)) <= self.small_bytes:
+            # small: one all_gather of headers and payload, as every rank sees them
+            heads, sent = self._small(head, pack if same else None, tensors, guess, device)
         else:
-            layouts = tuple(
-                prev[0][r] if h[4] else
-                tuple(rows[r, h[2] - 8 * h[3]: h[2]].view(torch.int64).tolist())
-                for r, h in enumerate(heads))
+            heads = self._alloc("headers", self.world * _HEADER, torch.int64, device)
+            work = self._all_gather(heads, torch.tensor(head).to(device))
+            # sent right behind the headers (not when streamed in chunks: each chunk is unpacked
+            # before the next, which needs the headers)
+            if guess is not None:
+                sent = self._send(pack if same else None, tensors, guess, device)
+            self._wait(work, self.group)
+            heads = heads.view(self.world, _HEADER).tolist()
+        target = config.gather_device or device
+        done: dict = {}
+        if prev is not None and all(h[4] and h[:3] == p[:3] and h[5] == p[5]
+                                    for h, p in zip(heads, prev[0])):
+            layouts, plan = prev[1], prev[2]  # as before: nothing to check, nothing to plan
+        else:
+            if sent is not None:
+                self._received(sent)  # every rank waits for it (if not done), then drops it
+                sent = None
+            counts = [h[0] for h in heads]
+            if len(set(counts)) != 1:
+                raise ValueError(
+                    "ranks saved different numbers of tensors in one trace (" +
+                    ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)) + "). Save the "
+                    "same values on every rank, or use .save(gather='none') for rank-local "
+                    "values.")
+            layouts = self._layouts(heads, pack, prev, device)
             plan = self._plans.get(layouts)
             if plan is None:
                 if len(self._plans) > 16:  # shapes that change every step: do not pile up plans
                     self._plans.clear()
                 plan = self._plans[layouts] = _Plan(layouts, self.rank, self.world)
-        self._last, self._prev = (key, pack), (layouts, plan)
-        return self._pairs(tensors, plan, plan.apply(rows, device))
-
-    @staticmethod
-    def _pairs(tensors: list, plan, values) -> list:
+        if sent is not None:
+            received = self._received(sent)
+            self.guessed = True
+        else:
+            sizes, bound = _sizes(heads), _bound(heads)
+            if _streamed(sizes, bound):
+                received, done = self._stream(plan, pack, tensors, sizes, bound, device, target)
+            else:
+                received = self._received(self._send(pack, tensors, sizes, device))
+        self._last, self._prev = (key, pack), (heads, layouts, plan)
         if not plan.wanted:
             return []
+        values = plan.apply(received, target, done)
         if len(plan.wanted) == len(tensors):
             return list(zip(tensors, values))
         return [(tensors[i], v) for i, v in zip(plan.wanted, values)]
 
-    def _start(self, gathered: torch.Tensor, send: torch.Tensor):
+    def _small(self, head: list, pack, tensors: list, sizes: tuple, device) -> tuple:
+        """Headers and a guessed payload in one ``all_gather``: every rank's headers, and the
+        payload as already received sections (``_received``'s form)."""
+        start = 8 * _HEADER
+        # counted by their parts, as if apart: the headers, this rank's payload, all payloads
+        self.allocated.update(headers=self.world * start, send=sum(sizes),
+                              receive=self.world * sum(sizes))
+        cached = self._small_buffers  # at most small_bytes: kept from trace to trace
+        if cached is None or cached[0] != (sizes, device):
+            size = start + sum(sizes)
+            send = torch.empty(size, dtype=torch.uint8, device=device)
+            rows = torch.empty(self.world, size, dtype=torch.uint8, device=device)
+            bounds = (start, start + sizes[0], size)
+            cached = self._small_buffers = (
+                (sizes, device), send, rows, send[:start].view(torch.int64), [None],
+                {i: send[bounds[i]: bounds[i + 1]] for i in (0, 1) if sizes[i]},
+                rows[:, :start].view(torch.int64),
+                [(i, None, rows[:, bounds[i]: bounds[i + 1]]) for i in (0, 1)])
+        _, send, rows, head_view, written, parts, heads, received = cached
+        if written[0] != head:
+            head_view.copy_(torch.tensor(head))
+            written[0] = head
+        if pack is not None and all(n <= g for n, g in zip(pack.nbytes, sizes) if g):
+            pack.write(parts, tensors, keep=True)
+        self._wait(self._all_gather(rows.view(-1), send), self.group)
+        return heads.tolist(), received
+
+    def _stream(self, plan, pack, tensors: list, sizes: tuple, bound: int, device, target):
+        """The payload of each section larger than ``bound`` in collectives of at most
+        ``bound`` bytes a rank, each chunk copied into the global values before the next is
+        sent: this rank's receive buffer is ``world * bound`` bytes, not ``world * size``.
+        Sections within the bound go in one collective as usual. Returns the receive rows of
+        those, and the streamed values by tensor index."""
+        small = tuple(size if size <= bound else 0 for size in sizes)
+        received = self._received(self._send(pack, tensors, small, device))
+        done, chunk = {}, None
+        for section, size in enumerate(sizes):
+            if size <= bound:
+                continue
+            send = self._alloc("send", size, torch.uint8, device)
+            pack.write({section: send}, tensors)
+            keep = section == 1 or self.rank == 0
+            values, segments = plan.destinations(section, target) if keep else ({}, None)
+            if keep and chunk is None:  # one for every section streamed
+                chunk = self._alloc("receive", self.world * bound, torch.uint8, device)
+            for start in range(0, size, bound):
+                end = min(size, start + bound)
+                rows = chunk[:self.world * (end - start)].view(self.world, end - start) \
+                    if keep else None
+                if section == 1:
+                    work = self._all_gather(rows.view(-1), send[start:end])
+                else:
+                    work = dist.gather(send[start:end], list(rows.unbind(0)) if keep else None,
+                                       dst=self._root, group=self.group, async_op=True)
+                self._wait(work, self.group)
+                if keep:
+                    _unpack_chunk(rows, start, end, segments)
+            if keep:
+                done.update(plan.finish(values))
+        return received, done
+
+    def _layouts(self, heads: list, pack, prev, device) -> tuple:
+        """Every rank's layout: from the previous trace where a rank's repeats, else sent."""
+        if prev is not None and all(h[4] for h in heads):
+            return prev[1]
+        longest = max(h[3] for h in heads)
+        rows = self._alloc("layouts", self.world * longest, torch.int64, device)
+        mine = torch.zeros(longest, dtype=torch.int64)
+        if heads[self.rank][3]:
+            mine[:len(pack.meta)] = torch.tensor(pack.meta)
+        self._wait(self._all_gather(rows, mine.to(device)), self.group)
+        rows = rows.view(self.world, longest).tolist()
+        return tuple(prev[1][r] if h[4] else tuple(rows[r][:h[3]]) for r, h in enumerate(heads))
+
+    def _send(self, pack, tensors: list, sizes: tuple, device) -> list:
+        """Start the payload's collectives, one per section that any rank has bytes in, each
+        rank sending ``sizes[section]`` bytes (this rank's saves when ``pack`` is given and they
+        fit, else bytes nobody reads). Returns ``[(section, work, receive rows or None)]``."""
+        for name in ("send", "receive"):  # a guess sent before is freed by now
+            self.allocated.pop(name, None)
+        sends = [self._alloc("send", size, torch.uint8, device) for size in sizes]
+        if pack is not None and all(n <= size for n, size in zip(pack.nbytes, sizes) if size):
+            pack.write({i: send for i, send in enumerate(sends) if sizes[i]}, tensors)
+        started = []
+        for section, (send, size) in enumerate(zip(sends, sizes)):
+            if not size:
+                continue
+            keep = section == 1 or self.rank == 0
+            rows = (self._alloc("receive", self.world * size, torch.uint8, device)
+                    .view(self.world, size) if keep else None)
+            if section == 1:
+                work = self._all_gather(rows.view(-1), send)
+            else:
+                work = dist.gather(send, list(rows.unbind(0)) if keep else None,
+                                   dst=self._root, group=self.group, async_op=True)
+            started.append((section, work, rows))
+        return started
+
+    def _received(self, started: list) -> list:
+        """Wait for the payload's collectives; the receive rows of each section (or None)."""
+        rows = [None, None]
+        for section, work, received in started:
+            if work is not None:  # (None: received already, with the headers)
+                self._wait(work, self.group)
+            rows[section] = received
+        return rows
+
+    def _all_gather(self, out: torch.Tensor, send: torch.Tensor):
         gather_flat = allgather_base(self.group)
         if gather_flat is not None:  # skips all_gather's Python checks
-            return gather_flat(gathered, send)
-        return _all_gather(gathered, send, self.group, async_op=True)
+            return gather_flat(out, send)
+        return _all_gather(out, send, self.group, async_op=True)
 
-    def _buffers_for(self, size: int, device):
-        cached = self._buffers
-        if cached is None or cached[0] != (size, device):
-            gathered = torch.empty(self.world * size, dtype=torch.uint8, device=device)
-            rows = gathered.view(self.world, size)
-            send = torch.empty(size, dtype=torch.uint8, device=device)
-            cached = self._buffers = ((size, device), send, gathered,
-                                      rows[:, :_START].view(torch.int64), rows)
-        return cached[1:]
+    def _alloc(self, name: str, count: int, dtype, device) -> torch.Tensor:
+        self.allocated[name] = self.allocated.get(name, 0) + count * dtype.itemsize
+        return torch.empty(count, dtype=dtype, device=device)
+
+
+def _bound(heads: list) -> int:
+    """The chunk bound the ranks agree on: the smallest any rank set (0: none)."""
+    return min((h[5] for h in heads if h[5]), default=0)
+
+
+def _streamed(sizes: tuple, bound: int) -> bool:
+    return bool(bound) and max(sizes) > bound
+
+
+def _unpack_chunk(rows: torch.Tensor, start: int, end: int, segments: list) -> None:
+    """Copy the bytes ``start:end`` of every rank's section (``rows``) to where they belong:
+    ``segments[r]`` lists rank r's tensors as ``(offset, nbytes, destination bytes)``."""
+    for r, spans in enumerate(segments):
+        for offset, nbytes, dest in spans:
+            lo, hi = max(offset, start), min(offset + nbytes, end)
+            if lo < hi:
+                dest[lo - offset: hi - offset].copy_(rows[r, lo - start: hi - start])
+
+
+def _sizes(heads: list) -> tuple:
+    """The bytes every rank sends per section: the largest rank's (8-byte multiples)."""
+    return max(h[1] for h in heads), max(h[2] for h in heads)
 
 
 def _plain_wait(work, group) -> None:
@@ -238,18 +369,18 @@ def _plain_wait(work, group) -> None:
 
 
 def _layout(meta: tuple) -> list:
-    """A rank's layout as ``[(dtype, shape, mode, dim, payload offset, nbytes, label)]``;
-    every tensor starts 8-byte aligned."""
-    specs, at, offset = [], 0, 0
+    """A rank's layout as ``[(dtype, shape, mode, dim, offset in its section, nbytes,
+    label)]``; every tensor starts 8-byte aligned, so every dtype views in place."""
+    specs, at, offsets = [], 0, [0, 0]
     while at < len(meta):
-        dtype, mode, dim, ndim = DTYPES[meta[at]], _MODES[meta[at + 1]], meta[at + 2], meta[at + 3]
+        dtype, mode, dim, ndim = DTYPES[meta[at]], meta[at + 1], meta[at + 2], meta[at + 3]
         shape = tuple(meta[at + 4: at + 4 + ndim])
         at += 4 + ndim
         size, words = meta[at], _round8(meta[at]) // 8
         label = struct.pack(f"<{words}q", *meta[at + 1: at + 1 + words])[:size].decode()
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        specs.append((dtype, shape, mode, dim, offset, nbytes, label))
-        offset += _round8(nbytes)
+        specs.append((dtype, shape, _MODES[mode], dim, offsets[mode], nbytes, label))
+        offsets[mode] += _round8(nbytes)
         at += 1 + words
     return specs
 
@@ -262,7 +393,7 @@ def _label_words(label: tuple) -> list:
 
 
 class _Pack:
-    """How this rank writes one layout of saves into its send buffer."""
+    """How this rank writes one layout of saves into its send buffers, one per section."""
 
     def __init__(self, key: list):
         self.meta = []
@@ -270,48 +401,51 @@ class _Pack:
             self.meta += [DTYPE_CODE[dtype], _MODES.index(mode), dim, len(shape), *shape,
                           *_label_words(label)]
         self.specs = _layout(self.meta)
-        self.nbytes = sum(_round8(s[5]) for s in self.specs)
-        # one shape and dtype, no padding: the payload is one [S, *shape] block for torch.stack
-        self.stack = len({(s[0], s[1]) for s in self.specs}) == 1 and self.specs[0][5] % 8 == 0
-        self.written = None  # (send buffer, header) last written, to skip rewriting it
-        self._views = None   # (send buffer, destination of each tensor in it)
-        self.block = None
+        self.sections = [[i for i, s in enumerate(self.specs) if s[2] == mode] for mode in _MODES]
+        self.nbytes = [sum(_round8(self.specs[i][5]) for i in section)
+                       for section in self.sections]
+        # one shape and dtype, no padding: the section is one [S, *shape] block for torch.stack
+        self.stack = [_uniform([self.specs[i] for i in section]) for section in self.sections]
+        self._views = None  # (send buffers kept from trace to trace, the views into them)
 
-    def write(self, send: torch.Tensor, tensors: list, head: list, same: bool):
-        if self.written is None or self.written[0] is not send or self.written[1] != head:
-            end = _START + self.nbytes
-            send[:_START].view(torch.int64).copy_(torch.tensor(head))
-            if not same:  # the layout goes after the payload, so the payload never moves
-                send[end: end + 8 * len(self.meta)].view(torch.int64).copy_(
-                    torch.tensor(self.meta))
-            self.written = (send, head)
-        if not tensors:
-            return
+    def write(self, sends: dict, tensors: list, keep: bool = False):
+        """Pack the sections ``sends`` names (section -> its send buffer). ``keep``: the
+        buffers are kept from trace to trace, so the views into them are kept too."""
         views = self._views
-        if views is None or views[0] is not send:
-            if self.stack:
-                dtype, shape = self.specs[0][:2]
-                block = send[_START: _START + self.nbytes].view(dtype)
-                views = (send, block.view(len(tensors), *shape))
+        if views is None or views[0] is not sends:
+            views = (sends, {section: self._views_into(section, send)
+                             for section, send in sends.items() if self.sections[section]})
+            self._views = views if keep else None  # (a buffer used once is not held on to)
+        for section, view in views[1].items():
+            indices = self.sections[section]
+            parts = [tensors[i] for i in indices] if len(indices) != len(tensors) else tensors
+            if self.stack[section]:
+                torch.stack(parts, out=view)
             else:
-                views = (send, [send[_START + o: _START + o + n].view(d).view(s)
-                                for d, s, _, _, o, n, _ in self.specs])
-            self._views = views
-        if self.stack:
-            self.block = views[1]  # [S, *shape]: this rank's values, while the buffer lives
-            torch.stack(tensors, out=self.block)
-        else:
-            foreach_copy_(views[1], tensors)
+                foreach_copy_(view, parts)
+
+    def _views_into(self, section: int, send: torch.Tensor):
+        """Where each tensor of ``section`` goes in ``send``: one ``[S, *shape]`` block for
+        ``torch.stack``, or a view per tensor."""
+        indices = self.sections[section]
+        if self.stack[section]:
+            dtype, shape = self.specs[indices[0]][:2]
+            return send[:self.nbytes[section]].view(dtype).view(len(indices), *shape)
+        return [send[o: o + n].view(d).view(s) for d, s, _, _, o, n, _ in
+                (self.specs[i] for i in indices)]
+
+
+def _uniform(specs: list) -> bool:
+    return bool(specs) and len({(s[0], s[1]) for s in specs}) == 1 and specs[0][5] % 8 == 0
 
 
 class _Plan:
     """How this rank cuts one set of gathered layouts into the global values it wants.
 
-    When every rank saved S tensors of one shape and dtype joined on dim 0 (or 0-dim, stacked
-    to ``[world]``), the payloads are ``[world, S, n]`` blocks: one transposing copy into a
-    fresh ``[S, world * n]`` tensor and one ``unbind`` give all S values. Anything else (uneven
-    or mixed saves, other dims) is one ``cat`` per tensor of views cached on the receive
-    buffer."""
+    Per section: when every rank saved S tensors of one shape and dtype joined on dim 0 (or
+    0-dim, stacked to ``[world]``), its rows are ``[world, S, n]`` blocks: one transposing copy
+    into a fresh ``[S, world * n]`` tensor and one ``unbind`` give all S values. Anything else
+    (uneven or mixed saves, other dims) is one ``cat`` per tensor of views of the rows."""
 
     def __init__(self, layouts: tuple, rank: int, world: int):
         self.world = world
@@ -326,48 +460,86 @@ class _Plan:
                                  f"on the ranks: save one dtype on every rank.")
             self.shapes.append(_joined_shape([s[i][1] for s in specs], dim))
             self.dims.append(dim if own[i][1] else 0)
-        self.specs, self._views = specs, None
-        self.even = (len(self.wanted) == len(own) > 0 and len(set(layouts)) == 1
-                     and len({(s[0], s[1]) for s in own}) == 1 and own[0][5] % 8 == 0
-                     and all(d == 0 for d in self.dims))
-        if self.even:
-            dtype, shape = own[0][:2]
-            self.dtype, self.n = dtype, max(torch.Size(shape).numel(), 1)
-            self.out = (len(own), *self.shapes[0])
+        self.specs = specs
+        same = len(set(layouts)) == 1
+        self.even = []  # per section: its wanted tensors' indices, if they take the even path
+        for mode in _MODES:
+            section = [i for i in self.wanted if own[i][2] == mode]
+            even = (same and _uniform([own[i] for i in section])
+                    and all(self.dims[i] == 0 for i in section))
+            self.even.append(section if even else None)
 
-    def prepare(self, device) -> tuple:
-        """For even saves: a fresh tensor for the values, as ``[S, world, n]``, and the values,
-        views of it (made before the data is there)."""
-        out = torch.empty(self.out, dtype=self.dtype, device=device)
-        return out.view(self.out[0], self.world, self.n), out.unbind(0)
+    def apply(self, received: list, device, done: dict) -> list[torch.Tensor]:
+        """The wanted values, in save order, on ``device``: those in ``done`` (streamed), the
+        others from their section's receive rows."""
+        received = [torch.empty(self.world, 0, dtype=torch.uint8) if rows is None else rows
+                    for rows in received]  # (a section of empty tensors sends nothing)
+        values = dict(done)
+        for rows, even in zip(received, self.even):
+            if even and even[0] not in done:
+                values.update(zip(even, self._even(rows, even, device)))
+        for i in self.wanted:
+            if i not in values:
+                values[i] = self._joined(received, i, device)
+        return [values[i] for i in self.wanted]
 
-    def fill(self, rows: torch.Tensor, prepared: tuple) -> tuple:
-        # [S, world, n] in rows: the parts of one value are not adjacent, so one copy
-        prepared[0].copy_(self._views_of(rows))
-        return prepared[1]
+    def destinations(self, section: int, device) -> tuple:
+        """For streaming ``section``: its wanted values, fresh, and where each rank's bytes of
+        each go, ``[[(offset in the section, nbytes, destination bytes)]]`` per rank. A rank's
+        part of a value is a byte range of it when contiguous (joined on dim 0, or stacked);
+        otherwise it is received whole into a part of its own, copied in by ``finish``."""
+        values, segments = {}, [[] for _ in self.specs]
+        mode = _MODES[section]
+        for i in self.wanted:
+            dtype = self.specs[0][i][0]
+            if self.specs[0][i][2] != mode:
+                continue
+            out = torch.empty(self.shapes[i], dtype=dtype, device=device)
+            dim, at, staged = self.dims[i], 0, []
+            for r, spec in enumerate(self.specs):
+                size = spec[i][1][dim] if spec[i][1] else 1
+                part = out.narrow(dim, at, size)
+                at += size
+                if not part.is_contiguous():
+                    staged.append((part, torch.empty(part.shape, dtype=dtype, device=device)))
+                    part = staged[-1][1]
+                segments[r].append((spec[i][4], spec[i][5], part.view(-1).view(torch.uint8)))
+            values[i] = (out, staged)
+        return values, segments
 
-    def apply(self, rows: torch.Tensor, device) -> list[torch.Tensor]:
-        if self.even:
-            return self.fill(rows, self.prepare(device))
-        return [torch.cat(parts, self.dims[i])
-                for parts, i in zip(self._views_of(rows), self.wanted)]
+    @staticmethod
+    def finish(values: dict) -> dict:
+        """The streamed values, their staged parts copied in."""
+        for out, staged in values.values():
+            for part, whole in staged:
+                part.copy_(whole)
+        return {i: out for i, (out, _) in values.items()}
 
-    def _views_of(self, rows: torch.Tensor):
-        views = self._views
-        if views is None or views[0] is not rows:  # the receive buffer lives while it fits
-            views = self._views = (rows, self._cut(rows))
-        return views[1]
+    def _even(self, rows: torch.Tensor, section: list, device) -> tuple:
+        dtype, shape, _, _, offset, _, _ = self.specs[0][section[0]]
+        count, n = len(section), max(torch.Size(shape).numel(), 1)
+        out = torch.empty((count, *self.shapes[section[0]]), dtype=dtype, device=device)
+        block = rows[:, offset: offset + count * n * dtype.itemsize].view(dtype)
+        block = block.view(self.world, count, n)
+        if block.device == out.device:
+            out.view(count, self.world, n).copy_(block.transpose(0, 1))
+        else:  # rank by rank: the parts move contiguous, no global-size copy on their device
+            for r in range(self.world):
+                out.view(count, self.world, n)[:, r].copy_(block[r])
+        return out.unbind(0)
 
-    def _cut(self, rows: torch.Tensor):
-        """Views into the receive buffer: for even saves ``[S, world, n]``; else, per wanted
-        tensor, its part from every rank."""
-        if self.even:
-            count = len(self.specs[0])
-            block = rows[:, _START: _START + count * self.n * self.dtype.itemsize]
-            return block.view(self.dtype).view(self.world, count, self.n).transpose(0, 1)
-        return [[rows[r, _START + s[i][4]: _START + s[i][4] + s[i][5]].view(s[i][0])
-                 .view(s[i][1] or (1,)) for r, s in enumerate(self.specs)]
-                for i in self.wanted]
+    def _joined(self, received: list, i: int, device) -> torch.Tensor:
+        rows = received[_MODES.index(self.specs[0][i][2])]
+        parts = [rows[r, s[i][4]: s[i][4] + s[i][5]].view(s[i][0]).view(s[i][1] or (1,))
+                 for r, s in enumerate(self.specs)]
+        if rows.device == torch.device(device):
+            return torch.cat(parts, self.dims[i])
+        out = torch.empty(self.shapes[i], dtype=self.specs[0][i][0], device=device)
+        at = 0
+        for part in parts:  # part by part, so that no global-size copy is made on their device
+            out.narrow(self.dims[i], at, part.shape[self.dims[i]]).copy_(part)
+            at += part.shape[self.dims[i]]
+        return out
 
 
 def _check_same_values(specs: list) -> None:

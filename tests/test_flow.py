@@ -39,6 +39,8 @@ def test_norms_match_raw_hooks(gpt2, backward_mode):
     that edits h[1]'s gradient: each layer's norm is what a raw tensor hook on its output sees
     (h[1]: before the edit; h[0]: the doubled gradient the edit sends upstream), each layer's
     parameter norm is that of plain autograd's accumulated gradients."""
+    oracle = build_gpt2()
+    oracle.load_state_dict(gpt2.state_dict())  # the weights the recorded steps ran with
     model = distgrad.wrap(gpt2)
     steps = [batches(1), batches(3)[1:]]
     with distgrad.flow.Recorder(model, layers="transformer.h") as flow:
@@ -50,7 +52,6 @@ def test_norms_match_raw_hooks(gpt2, backward_mode):
                         h1.grad = h1.grad * 2
             flow.step()
             gpt2.zero_grad(set_to_none=True)
-    oracle = build_gpt2()
     for record, micro in zip(flow.run.steps, steps):
         acts, params = raw_norms(oracle, micro, edit=2.0, scale=SCALE)
         torch.testing.assert_close(torch.tensor(record["activation"][0]), acts, rtol=RTOL, atol=0)

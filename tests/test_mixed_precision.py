@@ -59,6 +59,7 @@ def plain_scaled_step(net, ids, module, scaler, edit=None):
 
 
 def test_unscaled_read_and_edit_match_a_hand_unscaling_hook(gpt2, tokenizer):
+    gpt2 = copy.deepcopy(gpt2)  # the step below moves the weights: not the shared fixture's
     ids = torch.tensor(tokenizer([TEXT])["input_ids"])
     plain_net = copy.deepcopy(gpt2)
     plain_scaler = torch.amp.GradScaler("cpu")

@@ -36,7 +36,8 @@ def build():
     return GPT2LMHeadModel(config).eval()  # no dropout: every variant computes one function
 
 
-def raw_step(net, ids, gather):
+def raw_step(net, wrapped, ids, gather):
+    """Hooks on the user's blocks; the step through the engine's wrapper (DDP), if any."""
     outputs, grads = [None] * LAYERS, [None] * LAYERS
     handles = []
     for i, block in enumerate(net.transformer.h):
@@ -49,7 +50,7 @@ def raw_step(net, ids, gather):
             out.register_hook(on_grad)
         handles.append(block.register_forward_hook(on_output))
     try:
-        (net(ids).logits.sum() * 1e-3).backward()
+        (wrapped(ids).logits.sum() * 1e-3).backward()
     finally:
         for handle in handles:
             handle.remove()
@@ -107,7 +108,7 @@ def main():
         return torch.cat(parts) if rank == 0 else t
 
     model = distgrad.wrap(wrapped)
-    variants = {"raw hooks": lambda: raw_step(wrapped, ids, gather),
+    variants = {"raw hooks": lambda: raw_step(net, wrapped, ids, gather),
                 "distgrad": lambda: distgrad_step(model, ids)}
     if not ranks and not args.no_nnsight:
         from nnsight import NNsight

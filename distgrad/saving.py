@@ -124,6 +124,20 @@ class LabelledSaves(list):
 COMPUTED = "a tensor computed in the body"  # the name of a value that is no module's value
 
 
+def owned_tensors(module: torch.nn.Module) -> dict:
+    """``id -> (tensor, name, what)`` for every tensor ``module`` owns: its parameters, their
+    ``.grad`` and its buffers, which the optimizer or the next forward reads (so neither a
+    gather may rebind them nor a record keep them as they will change)."""
+    own = {}
+    for name, p in module.named_parameters():
+        own[id(p)] = (p, name, "parameter")
+        if p.grad is not None:
+            own[id(p.grad)] = (p.grad, name + ".grad", "parameter gradient")
+    for name, b in module.named_buffers():
+        own[id(b)] = (b, name, "buffer")
+    return own
+
+
 def saved_label(tensor: torch.Tensor, labels: dict) -> tuple:
     """``(path, kind)`` naming a saved tensor by the model value it is, or a view of one;
     ``(COMPUTED, "")`` for anything else (a loss the body computed)."""

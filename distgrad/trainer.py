@@ -44,7 +44,7 @@ import transformers
 
 from . import wrap
 from .interleave.session import current_body
-from .saving import save
+from .saving import owned_tensors, save
 from .trace import Model
 
 
@@ -141,34 +141,34 @@ def _copies_of_model_state(value, module):
     """``value`` with copies of the tensors the model owns (a parameter, its ``.grad``, a
     buffer): the next micro-batch accumulates into ``.grad`` in place and the optimizer
     changes the parameters, so a record must hold their values as they were."""
-    own = {id(p) for p in module.parameters()}
-    own.update(id(p.grad) for p in module.parameters() if p.grad is not None)
-    own.update(id(b) for b in module.buffers())
+    own = owned_tensors(module)
 
     def copy(obj):
         if isinstance(obj, torch.Tensor):
             return obj.detach().clone() if id(obj) in own else obj
         if isinstance(obj, dict):
             return {key: copy(item) for key, item in obj.items()}
-        if isinstance(obj, (tuple, list)):
-            return type(obj)(copy(item) for item in obj) if type(obj) in (tuple, list) else obj
+        if type(obj) in (tuple, list):  # (a named tuple's fields stay as they are)
+            return type(obj)(copy(item) for item in obj)
         return obj
     return copy(value)
 
 
 def _save_unsaved(value) -> None:
     """Save what the intervention returned, leaving out tensors it saved itself."""
-    body = current_body()
-    kept = {id(obj) for obj, _, _ in body.saves}
-    if isinstance(value, torch.Tensor):
-        if id(value) not in kept:
-            save(value)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _save_unsaved(item)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _save_unsaved(item)
+    kept = {id(obj) for obj, _, _ in current_body().saves}
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in kept:
+                save(obj)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                walk(item)
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                walk(item)
+    walk(value)
 
 
 __all__ = ["TracedTrainer", "TraceSteps", "TracedStep"]

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ...config import config
-from ...saving import saved_label
+from ...saving import owned_tensors, saved_label
 from ...torch_internals import allgather_base, foreach_copy_, set_grad_enabled
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
@@ -73,13 +73,7 @@ def refuse_model_state(saves: list, model: torch.nn.Module) -> ValueError | None
     kept = [obj for obj, mode, _ in saves if mode != "none"]
     if not kept:
         return None
-    own = {}
-    for name, p in model.named_parameters():
-        own[id(p)] = (p, name, "parameter")
-        if p.grad is not None:
-            own[id(p.grad)] = (p.grad, name + ".grad", "parameter gradient")
-    for name, b in model.named_buffers():
-        own[id(b)] = (b, name, "buffer")
+    own = owned_tensors(model)
     for obj in kept:
         for tensor in _tensors(obj, []):
             found = own.get(id(tensor))

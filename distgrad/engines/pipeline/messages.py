@@ -34,7 +34,7 @@ import struct
 import torch
 
 from ...errors import OutOfOrderError
-from ..ranks.gather import DTYPE_CODE, DTYPES
+from ..ranks.layout import DTYPE_CODE, DTYPES
 from .checks import RequestChecks
 
 _string_at = ctypes.string_at  # the bytes at an address: one copy, nothing else made

@@ -30,19 +30,14 @@ plan is cached.
 """
 from __future__ import annotations
 
-import struct
-
 import torch
 import torch.distributed as dist
 
 from ...config import config
 from ...saving import owned_tensors, saved_label
-from ...torch_internals import allgather_base, foreach_copy_, set_grad_enabled
+from ...torch_internals import allgather_base, set_grad_enabled
+from .layout import Pack, Plan, round8, tensors_in, unpack_chunk
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
-DTYPE_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
-_MODES = ("rank0", "all")  # also the payload's sections, in this order
 # int64s: number of tensors, bytes of gather="rank0" saves, bytes of gather="all" saves,
 # layout length (0 when the layout is that of this rank's previous trace), same layout (1 or 0),
 # this rank's config.gather_chunk_bytes (0: none)
@@ -50,19 +45,6 @@ _HEADER = 6
 _CPU = torch.device("cpu")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _NO_LABELS: dict = {}
-
-
-def _tensors(obj, out: list):
-    """The tensors inside a saved value, in a fixed order."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _tensors(v, out)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            _tensors(v, out)
-    return out
 
 
 def refuse_model_state(saves: list, model: torch.nn.Module) -> ValueError | None:
@@ -75,7 +57,7 @@ def refuse_model_state(saves: list, model: torch.nn.Module) -> ValueError | None
         return None
     own = owned_tensors(model)
     for obj in kept:
-        for tensor in _tensors(obj, []):
+        for tensor in tensors_in(obj, []):
             found = own.get(id(tensor))
             if found is not None and found[0] is tensor:
                 _, name, what = found
@@ -86,10 +68,6 @@ def refuse_model_state(saves: list, model: torch.nn.Module) -> ValueError | None
                     f"a copy (`.clone().save()`), or keep each rank's own with "
                     f"`distgrad.save(t, gather=\"none\")`.")
     return None
-
-
-def _round8(n: int) -> int:
-    return (n + 7) // 8 * 8
 
 
 class Exchange:
@@ -116,7 +94,7 @@ class Exchange:
         # slices, so a peer that failed (and said so) cannot leave this rank waiting
         self._wait = wait if wait is not None else _plain_wait
         self._plans: dict = {}
-        self._last = None  # this rank's (key, _Pack) of the previous completed trace
+        self._last = None  # this rank's (key, Pack) of the previous completed trace
         self._prev = None  # (all ranks' headers, layouts, plan) of the previous completed trace
         self.allocated: dict = {}
         self.guessed = False
@@ -150,16 +128,16 @@ class Exchange:
                 tensors.append(obj)
                 key.append((obj.dtype, obj.shape, mode, dim, saved_label(obj, labels)))
             elif mode != "none":  # subclasses, dicts, tuples
-                for t in _tensors(obj, []):
+                for t in tensors_in(obj, []):
                     tensors.append(t)
                     key.append((t.dtype, t.shape, mode, dim, saved_label(t, labels)))
         last, prev = self._last, self._prev
         self._last = self._prev = None  # set again when this exchange completes
         self.allocated, self.guessed = {}, False
         same = last is not None and prev is not None and last[0] == key
-        pack = last[1] if same else _Pack(key)
+        pack = last[1] if same else Pack(key)
         bound = config.gather_chunk_bytes
-        bound = _round8(max(int(bound), 8)) if bound else 0
+        bound = round8(max(int(bound), 8)) if bound else 0
         head = [len(tensors), *pack.nbytes, 0 if same else len(pack.meta), int(same), bound]
         device = tensors[0].device if tensors else _CPU
         sent = guess = None
@@ -198,7 +176,7 @@ class Exchange:
             if plan is None:
                 if len(self._plans) > 16:  # shapes that change every step: do not pile up plans
                     self._plans.clear()
-                plan = self._plans[layouts] = _Plan(layouts, self.rank, self.world)
+                plan = self._plans[layouts] = Plan(layouts, self.rank, self.world)
         if sent is not None:
             received = self._received(sent)
             self.guessed = True
@@ -272,7 +250,7 @@ class Exchange:
                                        dst=self._root, group=self.group, async_op=True)
                 self._wait(work, self.group)
                 if keep:
-                    _unpack_chunk(rows, start, end, segments)
+                    unpack_chunk(rows, start, end, segments)
             if keep:
                 done.update(plan.finish(values))
         return received, done
@@ -343,16 +321,6 @@ def _streamed(sizes: tuple, bound: int) -> bool:
     return bool(bound) and max(sizes) > bound
 
 
-def _unpack_chunk(rows: torch.Tensor, start: int, end: int, segments: list) -> None:
-    """Copy the bytes ``start:end`` of every rank's section (``rows``) to where they belong:
-    ``segments[r]`` lists rank r's tensors as ``(offset, nbytes, destination bytes)``."""
-    for r, spans in enumerate(segments):
-        for offset, nbytes, dest in spans:
-            lo, hi = max(offset, start), min(offset + nbytes, end)
-            if lo < hi:
-                dest[lo - offset: hi - offset].copy_(rows[r, lo - start: hi - start])
-
-
 def _sizes(heads: list) -> tuple:
     """The bytes every rank sends per section: the largest rank's (8-byte multiples)."""
     return max(h[1] for h in heads), max(h[2] for h in heads)
@@ -361,202 +329,3 @@ def _sizes(heads: list) -> tuple:
 def _plain_wait(work, group) -> None:
     work.wait()
 
-
-def _layout(meta: tuple) -> list:
-    """A rank's layout as ``[(dtype, shape, mode, dim, offset in its section, nbytes,
-    label)]``; every tensor starts 8-byte aligned, so every dtype views in place."""
-    specs, at, offsets = [], 0, [0, 0]
-    while at < len(meta):
-        dtype, mode, dim, ndim = DTYPES[meta[at]], meta[at + 1], meta[at + 2], meta[at + 3]
-        shape = tuple(meta[at + 4: at + 4 + ndim])
-        at += 4 + ndim
-        size, words = meta[at], _round8(meta[at]) // 8
-        label = struct.pack(f"<{words}q", *meta[at + 1: at + 1 + words])[:size].decode()
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        specs.append((dtype, shape, _MODES[mode], dim, offsets[mode], nbytes, label))
-        offsets[mode] += _round8(nbytes)
-        at += 1 + words
-    return specs
-
-
-def _label_words(label: tuple) -> list:
-    """A saved tensor's label as int64s for the layout: its length in bytes, then its bytes."""
-    data = "".join(label).encode()
-    padded = data.ljust(_round8(len(data)), b"\0")
-    return [len(data), *struct.unpack(f"<{len(padded) // 8}q", padded)]
-
-
-class _Pack:
-    """How this rank writes one layout of saves into its send buffers, one per section."""
-
-    def __init__(self, key: list):
-        self.meta = []
-        for dtype, shape, mode, dim, label in key:
-            self.meta += [DTYPE_CODE[dtype], _MODES.index(mode), dim, len(shape), *shape,
-                          *_label_words(label)]
-        self.specs = _layout(self.meta)
-        self.sections = [[i for i, s in enumerate(self.specs) if s[2] == mode] for mode in _MODES]
-        self.nbytes = [sum(_round8(self.specs[i][5]) for i in section)
-                       for section in self.sections]
-        # one shape and dtype, no padding: the section is one [S, *shape] block for torch.stack
-        self.stack = [_uniform([self.specs[i] for i in section]) for section in self.sections]
-        self._views = None  # (send buffers kept from trace to trace, the views into them)
-
-    def write(self, sends: dict, tensors: list, keep: bool = False):
-        """Pack the sections ``sends`` names (section -> its send buffer). ``keep``: the
-        buffers are kept from trace to trace, so the views into them are kept too."""
-        views = self._views
-        if views is None or views[0] is not sends:
-            views = (sends, {section: self._views_into(section, send)
-                             for section, send in sends.items() if self.sections[section]})
-            self._views = views if keep else None  # (a buffer used once is not held on to)
-        for section, view in views[1].items():
-            indices = self.sections[section]
-            parts = [tensors[i] for i in indices] if len(indices) != len(tensors) else tensors
-            if self.stack[section]:
-                torch.stack(parts, out=view)
-            else:
-                foreach_copy_(view, parts)
-
-    def _views_into(self, section: int, send: torch.Tensor):
-        """Where each tensor of ``section`` goes in ``send``: one ``[S, *shape]`` block for
-        ``torch.stack``, or a view per tensor."""
-        indices = self.sections[section]
-        if self.stack[section]:
-            dtype, shape = self.specs[indices[0]][:2]
-            return send[:self.nbytes[section]].view(dtype).view(len(indices), *shape)
-        return [send[o: o + n].view(d).view(s) for d, s, _, _, o, n, _ in
-                (self.specs[i] for i in indices)]
-
-
-def _uniform(specs: list) -> bool:
-    return bool(specs) and len({(s[0], s[1]) for s in specs}) == 1 and specs[0][5] % 8 == 0
-
-
-class _Plan:
-    """How this rank cuts one set of gathered layouts into the global values it wants.
-
-    Per section: when every rank saved S tensors of one shape and dtype joined on dim 0 (or
-    0-dim, stacked to ``[world]``), its rows are ``[world, S, n]`` blocks: one transposing copy
-    into a fresh ``[S, world * n]`` tensor and one ``unbind`` give all S values. Anything else
-    (uneven or mixed saves, other dims) is one ``cat`` per tensor of views of the rows."""
-
-    def __init__(self, layouts: tuple, rank: int, world: int):
-        self.world = world
-        specs = [_layout(meta) for meta in layouts]  # per rank
-        own = specs[rank]
-        self.wanted = [i for i, s in enumerate(own) if s[2] == "all" or rank == 0]
-        self.shapes, self.dims = [], []
-        _check_same_values(specs)
-        for i, (dtype, _, _, dim, _, _, _) in enumerate(own):  # checked on every rank alike
-            if any(s[i][0] != dtype for s in specs):
-                raise ValueError(f"saved tensor {i} has dtypes {[str(s[i][0]) for s in specs]} "
-                                 f"on the ranks: save one dtype on every rank.")
-            self.shapes.append(_joined_shape([s[i][1] for s in specs], dim))
-            self.dims.append(dim if own[i][1] else 0)
-        self.specs = specs
-        same = len(set(layouts)) == 1
-        self.even = []  # per section: its wanted tensors' indices, if they take the even path
-        for mode in _MODES:
-            section = [i for i in self.wanted if own[i][2] == mode]
-            even = (same and _uniform([own[i] for i in section])
-                    and all(self.dims[i] == 0 for i in section))
-            self.even.append(section if even else None)
-
-    def apply(self, received: list, device, done: dict) -> list[torch.Tensor]:
-        """The wanted values, in save order, on ``device``: those in ``done`` (streamed), the
-        others from their section's receive rows."""
-        received = [torch.empty(self.world, 0, dtype=torch.uint8) if rows is None else rows
-                    for rows in received]  # (a section of empty tensors sends nothing)
-        values = dict(done)
-        for rows, even in zip(received, self.even):
-            if even and even[0] not in done:
-                values.update(zip(even, self._even(rows, even, device)))
-        for i in self.wanted:
-            if i not in values:
-                values[i] = self._joined(received, i, device)
-        return [values[i] for i in self.wanted]
-
-    def destinations(self, section: int, device) -> tuple:
-        """For streaming ``section``: its wanted values, fresh, and where each rank's bytes of
-        each go, ``[[(offset in the section, nbytes, destination bytes)]]`` per rank. A rank's
-        part of a value is a byte range of it when contiguous (joined on dim 0, or stacked);
-        otherwise it is received whole into a part of its own, copied in by ``finish``."""
-        values, segments = {}, [[] for _ in self.specs]
-        mode = _MODES[section]
-        for i in self.wanted:
-            dtype = self.specs[0][i][0]
-            if self.specs[0][i][2] != mode:
-                continue
-            out = torch.empty(self.shapes[i], dtype=dtype, device=device)
-            dim, at, staged = self.dims[i], 0, []
-            for r, spec in enumerate(self.specs):
-                size = spec[i][1][dim] if spec[i][1] else 1
-                part = out.narrow(dim, at, size)
-                at += size
-                if not part.is_contiguous():
-                    staged.append((part, torch.empty(part.shape, dtype=dtype, device=device)))
-                    part = staged[-1][1]
-                segments[r].append((spec[i][4], spec[i][5], part.view(-1).view(torch.uint8)))
-            values[i] = (out, staged)
-        return values, segments
-
-    @staticmethod
-    def finish(values: dict) -> dict:
-        """The streamed values, their staged parts copied in."""
-        for out, staged in values.values():
-            for part, whole in staged:
-                part.copy_(whole)
-        return {i: out for i, (out, _) in values.items()}
-
-    def _even(self, rows: torch.Tensor, section: list, device) -> tuple:
-        dtype, shape, _, _, offset, _, _ = self.specs[0][section[0]]
-        count, n = len(section), max(torch.Size(shape).numel(), 1)
-        out = torch.empty((count, *self.shapes[section[0]]), dtype=dtype, device=device)
-        block = rows[:, offset: offset + count * n * dtype.itemsize].view(dtype)
-        block = block.view(self.world, count, n)
-        if block.device == out.device:
-            out.view(count, self.world, n).copy_(block.transpose(0, 1))
-        else:  # rank by rank: the parts move contiguous, no global-size copy on their device
-            for r in range(self.world):
-                out.view(count, self.world, n)[:, r].copy_(block[r])
-        return out.unbind(0)
-
-    def _joined(self, received: list, i: int, device) -> torch.Tensor:
-        rows = received[_MODES.index(self.specs[0][i][2])]
-        parts = [rows[r, s[i][4]: s[i][4] + s[i][5]].view(s[i][0]).view(s[i][1] or (1,))
-                 for r, s in enumerate(self.specs)]
-        if rows.device == torch.device(device):
-            return torch.cat(parts, self.dims[i])
-        out = torch.empty(self.shapes[i], dtype=self.specs[0][i][0], device=device)
-        at = 0
-        for part in parts:  # part by part, so that no global-size copy is made on their device
-            out.narrow(self.dims[i], at, part.shape[self.dims[i]]).copy_(part)
-            at += part.shape[self.dims[i]]
-        return out
-
-
-def _check_same_values(specs: list) -> None:
-    """Raise, on every rank alike, if the ranks saved different values at one place in the
-    trace's saves (rank 0 ``h[0].output.grad``, rank 1 ``h[1].output.grad``): joining them
-    would make one tensor of two different things."""
-    for i, first in enumerate(specs[0]):
-        labels = [s[i][6] for s in specs]
-        if any(label != first[6] for label in labels):
-            raise ValueError(
-                f"the ranks saved different values as saved tensor {i} of the trace (" +
-                ", ".join(f"rank {r}: {label}" for r, label in enumerate(labels)) + "). Saved "
-                "tensors are joined across ranks into one value, so every rank must save the "
-                "same values in the same order: make the saves on every rank and branch on the "
-                "values, or save rank-local values with .save(gather='none').")
-
-
-def _joined_shape(shapes: list[tuple], dim: int) -> tuple:
-    if len(shapes[0]) == 0:
-        return (len(shapes),)  # 0-dim values are stacked to [world_size]
-    rest = [s[:dim] + s[dim + 1:] for s in shapes]
-    if any(r != rest[0] for r in rest) or any(len(s) != len(shapes[0]) for s in shapes):
-        raise ValueError(f"saved tensors of shapes {[list(s) for s in shapes]} cannot be joined "
-                         f"along dim {dim}: save them with .save(gather='none') or pad them to "
-                         f"one shape.")
-    return shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1:]

@@ -5,6 +5,24 @@ nnsight's tests run pretrained GPT-2 and compare decoded text ("... New York Cit
 run the tiny random GPT-2 of ``conftest`` (or the small models below) and compare every number
 with the same computation done by plain PyTorch on the same weights: forward hooks for
 activations and edits, ``torch.autograd.grad`` / tensor hooks for gradients. fp32, atol 1e-6.
+Where distgrad differs on purpose, the test says "deliberate difference: ...".
+
+nnsight features distgrad does not offer, whose tests are not ported:
+
+- ``model.session()``: several traces as one program (plain Python between traces instead).
+- ``tracer.stop()``: ending the forward early from the body.
+- ``.skip(value)``: replacing a module's call without running it.
+- ``.source``: values inside a module's forward (operations of its source).
+- ``.next()``, ``.all()``, ``tracer.iter[...]``: looping a body over generation steps
+  (``.call(i)`` names a module's i-th call instead).
+- ``model.scan(...)``: shapes from a fake-tensor run.
+- ``tracer.cache(...)``: recording every module's values.
+- ``tracer.barrier(n)``: ordering invoke bodies against each other.
+- ``model.edit()`` and ``clear_edits()``: editing contexts kept on the model.
+- ``model.generator.output`` and ``model.pipe(...)``: generate's output as a module
+  (``tracer.result`` holds the generated ids).
+- ``remote=True`` (NDIF), vLLM and serving backends.
+- ``nnsight.util.WrapperModule`` and attaching modules to an envoy.
 """
 from __future__ import annotations
 

@@ -228,3 +228,30 @@ def test_retain_grad_in_an_invoke_then_backward_after_the_trace(gpt2, tokenizer)
     torch.testing.assert_close(a.grad, expected[:1], atol=ATOL, rtol=0)
     (la + lb).backward()  # accumulates, as retain_grad() does
     torch.testing.assert_close(a.grad, 2 * expected[:1], atol=ATOL, rtol=0)
+
+
+def test_retain_graph_on_some_blocks_only(gpt2, tokenizer):
+    """retain_graph=True on every block but the last (how nnsight's users write it): one
+    backward over the batch, the graph kept, each body its rows of the batch's gradient."""
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    with model.trace() as tr:
+        with tr.invoke(TEXTS[0]):
+            a = model.transformer.h[0].output
+            with model.output.logits.sum().backward(retain_graph=True):
+                ga = a.grad.save()
+        with tr.invoke(TEXTS[1:]):
+            b = model.transformer.h[0].output
+            with model.output.logits.sum().backward():
+                gb = b.grad.save()
+    _, _, ref_grad, _ = _batch_reference(gpt2, tokenizer)
+    torch.testing.assert_close(ga, ref_grad[:1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(gb, ref_grad[1:], atol=ATOL, rtol=0)
+    # other arguments still have to agree
+    with pytest.raises(distgrad.TraceStateError, match="different keyword arguments"):
+        with model.trace() as tr:
+            with tr.invoke(TEXTS[0]):
+                with model.output.logits.sum().backward(inputs=[gpt2.lm_head.weight]):
+                    pass
+            with tr.invoke(TEXTS[1:]):
+                with model.output.logits.sum().backward():
+                    pass

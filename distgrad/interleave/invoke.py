@@ -145,17 +145,15 @@ class Invokes(InPlace):
     def _backward_session(self, bodies: list[Body]) -> Session:
         blocks = [b.block for b in bodies if b.pending == _BACKWARD]
         first = blocks[0]
-        if any(b.kwargs != first.kwargs for b in blocks):
-            raise TraceStateError("the invokes' backward blocks pass different keyword arguments "
-                                  "to backward(); one backward runs for the whole batch.")
+        kwargs = _batch_backward_kwargs(blocks)
 
         def run():
             if all(not b.args for b in blocks):
                 total = sum(b.tensor for b in blocks[1:]) + blocks[0].tensor if len(blocks) > 1 \
                     else blocks[0].tensor
-                return first.backend.backward(total, first.fn, (), first.kwargs)
+                return first.backend.backward(total, first.fn, (), kwargs)
             grads = [b.args[0] if b.args else None for b in blocks]
-            return torch.autograd.backward([b.tensor for b in blocks], grads, **first.kwargs)
+            return torch.autograd.backward([b.tensor for b in blocks], grads, **kwargs)
 
         fill_retained_grads(self.slices)
         session = Session("backward", run, bodies, size=self.forward.size,
@@ -192,6 +190,23 @@ class Invokes(InPlace):
     def close(self) -> None:
         self.backward = self.slices = None
         super().close()
+
+
+def _batch_backward_kwargs(blocks) -> dict:
+    """The keyword arguments of the batch's one backward. ``retain_graph`` may differ between
+    the blocks (nnsight's pattern passes it to every block but the last, since each of its
+    blocks would free the graph): the graph is kept if any block asks for it, which every
+    block's later use of the graph needs. Other arguments must agree."""
+    def others(kwargs):
+        return {k: v for k, v in kwargs.items() if k != "retain_graph"}
+
+    kwargs = others(blocks[0].kwargs)
+    if any(others(b.kwargs) != kwargs for b in blocks):
+        raise TraceStateError("the invokes' backward blocks pass different keyword arguments "
+                              "to backward(); one backward runs for the whole batch.")
+    if any(b.kwargs.get("retain_graph") for b in blocks):
+        kwargs["retain_graph"] = True
+    return kwargs
 
 
 def fill_retained_grads(slices: dict) -> None:

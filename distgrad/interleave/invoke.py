@@ -6,7 +6,9 @@
         with tr.invoke(["Paris is", "Rome is"]):
             b = model.transformer.h[0].output.save()
 
-Each body is captured (``capture.py``) and run at the end of the trace block as a greenlet. The
+An empty ``tr.invoke()`` runs over the whole batch (``in_order.py``); token ids of different
+lengths are padded (``token_ids.py``). Each body is captured (``capture.py``) and run at the end
+of the trace block as a greenlet. The
 scheduler here runs one forward over the joined batch and, at every hook point, serves the bodies
 waiting there in invoke order, each with its own rows; their edits are merged back row-wise. If
 bodies open backward blocks, one backward runs over the sum of their losses and gradients are

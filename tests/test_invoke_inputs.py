@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import distgrad
-from conftest import ATOL, assert_param_grads, param_grads
+from conftest import ATOL, param_grads
 from distgrad.demo.models import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("backward_mode")
@@ -95,6 +95,45 @@ def test_an_empty_invokes_backward_reads_the_whole_batch(gpt2, tokenizer, backwa
     _close(b, out[1:])
     _close(g, grad)
     assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_an_empty_invoke_reads_the_gradient_an_invoke_before_it_edited(gpt2, tokenizer,
+                                                                     backward_mode):
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    with model.trace() as tr:
+        with tr.invoke(TEXTS[0]):
+            a = model.transformer.h[0].output
+            with model.output.logits.sum().backward():
+                a.grad = a.grad * 10
+        with tr.invoke(TEXTS[1:]):
+            pass
+        with tr.invoke():
+            h = model.transformer.h[0].output
+            with model.output.logits.sum().backward():  # one backward: the two losses summed
+                g = h.grad.save()
+    got = param_grads(gpt2)
+    gpt2.zero_grad(set_to_none=True)
+    seen = {}
+
+    def on_output(mod, args, out):
+        def on_grad(grad):
+            grad = grad.clone()
+            grad[0] *= 10
+            seen["grad"] = grad
+            return grad
+        out.register_hook(on_grad)
+
+    handle = gpt2.transformer.h[0].register_forward_hook(on_output)
+    try:
+        logits = gpt2(**tokenizer(TEXTS, return_tensors="pt", padding=True)).logits
+    finally:
+        handle.remove()
+    (logits[:1].sum() + logits.sum()).backward()
+    ref = param_grads(gpt2)
+    _close(g, seen["grad"])
+    gpt2.zero_grad(set_to_none=True)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0, msg=name)
 

@@ -16,6 +16,7 @@ from .config import config
 from .envoy import Envoy
 from .errors import TraceStateError, drop_context, forget_frames
 from .fastpath import GeneratorDriver, plan_for
+from .interleave import batching
 from .interleave.in_place import InPlace
 from .interleave.invoke import Invoke, Invokes
 from .interleave.requests import Requests
@@ -206,11 +207,20 @@ class Trace:
             capture.release_locals(self.frame)
         self.requests = self.frame = self._glet = self.step = None
 
+    def has_inputs(self) -> bool:
+        """Whether the trace was given model inputs, not only options of the call
+        (``model.generate(max_new_tokens=3)`` has none: its invokes give them)."""
+        args, kwargs = self.raw_inputs
+        return bool(args) or any(batching.is_input(k, v) for k, v in kwargs.items())
+
     def invoke(self, *args, **kwargs):
-        """One input of a batched trace; see docs/concepts.rst ("Invokes")."""
-        if self.raw_inputs[0] or self.raw_inputs[1]:
-            raise TraceStateError("model.trace(inputs) already has inputs: either pass inputs to "
-                                  "trace() or use tracer.invoke(...) blocks, not both.")
+        """One input of a batched trace; with no arguments, a body over the whole batch. See
+        docs/concepts.rst ("Invokes")."""
+        if (args or kwargs) and self.has_inputs():
+            raise TraceStateError(
+                "model.trace(inputs) already has inputs: either pass inputs to trace() or to "
+                "tracer.invoke(...) blocks, not both. (An empty tracer.invoke() in it sees "
+                "the trace's whole batch.)")
         refused = self.requests.invokes_refused
         if refused:
             raise TraceStateError(refused)

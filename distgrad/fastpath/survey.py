@@ -237,6 +237,10 @@ class Survey(ast.NodeVisitor):
                 self.visit(item.optional_vars)
             for stmt in node.body:
                 self.visit(stmt)
+        elif any(isinstance(item.context_expr, ast.Call)
+                 and isinstance(item.context_expr.func, ast.Attribute)
+                 and item.context_expr.func.attr == "invoke" for item in node.items):
+            self.refuse("an invoke block")  # its body runs later, over the whole batch
         else:
             self.generic_visit(node)
 

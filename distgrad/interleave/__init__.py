@@ -15,7 +15,9 @@ request sends the reply back to the hook.
   ``scaling.py``: gradients shown unscaled under a loss scaler (``backward(scaler=...)``);
 * ``step.py``: ``StepRequests``, a body over another library's training step, whose loss and
   backward are that library's (``model.trace_step``);
-* ``batching.py``: rows of a batch per invoke; ``paused.py``: what a request gives back to a
+* ``batching.py``: rows of a batch per invoke (``token_ids.py``: ids of different lengths
+  padded); ``in_order.py``: invokes whose rows overlap (an empty invoke) served one after
+  another; ``paused.py``: what a request gives back to a
   generator body that must wait (``distgrad/fastpath/``).
 
 Modules here import one another and distgrad's leaves (``config``, ``errors``,

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 
 import torch
 
+from . import token_ids
+
 
 def _is_text(x) -> bool:
     return isinstance(x, str) or (isinstance(x, (list, tuple)) and len(x) > 0
@@ -34,29 +36,95 @@ def batch_size(args: tuple, kwargs: dict) -> int:
     for v in list(args) + list(kwargs.values()):
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             return v.shape[0]
-    raise ValueError("distgrad could not find a batched tensor in the trace inputs.")
+    raise ValueError("distgrad could not find a batched tensor (one with a batch dimension) in "
+                     "the trace inputs.")
+
+
+def is_input(key: str, value) -> bool:
+    """Whether a keyword argument of ``model.trace``/``generate`` is a model input (a per-row
+    field of ``token_ids.ROW_FIELDS``, ``inputs_embeds``, or any tensor with a batch
+    dimension) rather than an option of the call (``max_new_tokens=3``,
+    ``output_hidden_states=True``, a ``GenerationConfig``)."""
+    return (key in token_ids.ROW_FIELDS or key == "inputs_embeds"
+            or (isinstance(value, torch.Tensor) and value.dim() > 0)
+            or (isinstance(value, Mapping) and any(isinstance(v, torch.Tensor)
+                                                   for v in value.values())))
+
+
+def call_options(kwargs: dict) -> dict:
+    """The keyword arguments that are options of the call, not inputs (see ``is_input``)."""
+    return {k: v for k, v in kwargs.items() if not is_input(k, v)}
 
 
 def join(inputs: list[tuple[tuple, dict]], tokenizer) -> tuple[tuple, dict, list[slice]]:
-    """One batch from several invokes' raw inputs; returns the rows each invoke owns."""
+    """One batch from several invokes' raw inputs; returns the rows each invoke owns.
+
+    Text is tokenized together; token ids of different lengths are padded
+    (``token_ids.pad_invokes``); anything else must already have one shape."""
     if all(a and _is_text(a[0]) for a, _ in inputs):
         texts, rows = [], []
         for a, _ in inputs:
             part = [a[0]] if isinstance(a[0], str) else list(a[0])
             rows.append(slice(len(texts), len(texts) + len(part)))
             texts.extend(part)
-        args, kwargs = prepare((texts,), dict(inputs[0][1]), tokenizer)
+        kwargs = _same_options([k for _, k in inputs])
+        args, kwargs = prepare((texts,), kwargs, tokenizer)
         return args, kwargs, rows
-    prepared = [prepare(a, k, tokenizer) for a, k in inputs]
+    prepared = token_ids.pad_invokes([prepare(a, k, tokenizer) for a, k in inputs], tokenizer)
     rows, start = [], 0
-    for a, k in prepared:
-        n = batch_size(a, k)
+    for i, (a, k) in enumerate(prepared):
+        try:
+            n = batch_size(a, k)
+        except ValueError:
+            raise ValueError(f"invoke {i} has no batched tensor in its inputs (args {_kinds(a)}, "
+                             f"keywords {_kinds(k)}): give it tensors with a batch dimension"
+                             f"{', text or token ids' if tokenizer is not None else ''}."
+                             ) from None
         rows.append(slice(start, start + n))
         start += n
+    counts = {len(a) for a, _ in prepared}
+    if len(counts) > 1:
+        raise ValueError(f"invoke inputs cannot be batched: the invokes give "
+                         f"{sorted(counts)} positional arguments; give each the same ones.")
+    keys = [list(k) for _, k in prepared]
+    for i, k in enumerate(keys[1:], 1):
+        if set(k) != set(keys[0]):
+            raise ValueError(f"invoke inputs cannot be batched: invoke 0 passes keywords "
+                             f"{sorted(keys[0])} and invoke {i} {sorted(k)}; give each the same "
+                             f"ones.")
     args = tuple(_cat([p[0][i] for p in prepared], f"argument {i}")
                  for i in range(len(prepared[0][0])))
-    kwargs = {key: _cat([p[1][key] for p in prepared], f"keyword {key!r}") for key in prepared[0][1]}
+    kwargs = {key: _cat([p[1][key] for p in prepared], f"keyword {key!r}") for key in keys[0]}
     return args, kwargs, rows
+
+
+def _kinds(values) -> str:
+    items = values.items() if isinstance(values, dict) else enumerate(values)
+    return "{" + ", ".join(f"{k}: {type(v).__name__}" for k, v in items) + "}"
+
+
+def _same_options(kwargs_list: list[dict]) -> dict:
+    """The keyword arguments of text invokes, which must agree: one call runs them all."""
+    first = kwargs_list[0]
+    for i, other in enumerate(kwargs_list[1:], 1):
+        if other.keys() != first.keys() or any(not same(first[k], other[k]) for k in first):
+            raise ValueError(f"invoke inputs cannot be batched: invoke 0 passes keywords "
+                             f"{sorted(first)} and invoke {i} {sorted(other)}, which differ; "
+                             f"one call runs them all, so give each the same ones.")
+    return dict(first)
+
+
+def same(a, b) -> bool:
+    """Whether two option values are the same (tensors: the same object or equal values)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and bool((a == b).all()))
+    try:
+        return bool(a == b)
+    except Exception:  # a value with no plain equality
+        return False
 
 
 def _cat(values: list, what: str):
@@ -64,10 +132,16 @@ def _cat(values: list, what: str):
         try:
             return torch.cat(values, dim=0)
         except RuntimeError as exc:
+            hint = "pad them to one length"
+            if token_ids.is_ids(values[0]):
+                hint = ("distgrad pads token ids given as input_ids=, or positionally with a "
+                        "tokenizer (distgrad.wrap(module, tokenizer=...)); else pad them to one "
+                        "length")
             raise ValueError(f"invoke inputs cannot be batched: {what} has shapes "
-                             f"{[list(v.shape) for v in values]}; pad them to one length.") from exc
-    if any(v != values[0] for v in values[1:]):
-        raise ValueError(f"invoke inputs cannot be batched: {what} differs between invokes.")
+                             f"{[list(v.shape) for v in values]}; {hint}.") from exc
+    if any(not same(v, values[0]) for v in values[1:]):
+        raise ValueError(f"invoke inputs cannot be batched: {what} differs between invokes "
+                         f"(one call runs them all).")
     return values[0]
 
 

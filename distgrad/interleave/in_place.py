@@ -23,6 +23,7 @@ class InPlace(Requests):
     mode = "in place"
     unscales = True
     invokes_refused = None
+    session_type = Session  # what runs the forward and the backward (invokes: in_order.py)
 
     def __init__(self, trace):
         self.trace = trace
@@ -47,8 +48,8 @@ class InPlace(Requests):
             raise TraceStateError("model.trace() has no inputs: pass them to trace(...) or add "
                                   "`with tracer.invoke(...):` blocks.")
         size = batching.batch_size(args, kwargs) if bodies[0].rows is not None else 0
-        return Session("forward", self.forward_call(args, kwargs), bodies, size=size,
-                       views=self.engine.views)
+        return self.session_type("forward", self.forward_call(args, kwargs), bodies, size=size,
+                                 views=self.engine.views)
 
     def forward_call(self, args, kwargs):
         """The forward as a function of nothing: what the session runs."""

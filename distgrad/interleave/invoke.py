@@ -6,7 +6,9 @@
         with tr.invoke(["Paris is", "Rome is"]):
             b = model.transformer.h[0].output.save()
 
-Each body is captured (``capture.py``) and run at the end of the trace block as a greenlet. The
+An empty ``tr.invoke()`` runs over the whole batch (``in_order.py``); token ids of different
+lengths are padded (``token_ids.py``). Each body is captured (``capture.py``) and run at the end
+of the trace block as a greenlet. The
 scheduler here runs one forward over the joined batch and, at every hook point, serves the bodies
 waiting there in invoke order, each with its own rows; their edits are merged back row-wise. If
 bodies open backward blocks, one backward runs over the sum of their losses and gradients are
@@ -24,21 +26,43 @@ from .. import capture
 from ..errors import TraceStateError
 from . import batching
 from .gradients import backward_threaded, grad_passed
+from .in_order import InOrderSession
 from .in_place import InPlace
+from .requests import Requests
 from .run import BodyRunners
-from .session import BODIES, Body, Session
+from .session import BODIES, UNSET, Body, Session
 
 _BACKWARD = ("backward", "start")
 _BACKWARD_DONE = ("backward", "done")
+_RESULT = ("result",)  # waiting for generate() to return (tracer.result)
 
 
 class Invoke:
+    """One ``with tracer.invoke(...) as invoker:`` block. ``args``/``kwargs``: what it was
+    given; ``inputs``: its rows of what the model is called with (see ``inputs``)."""
+
     def __init__(self, trace, args: tuple, kwargs: dict):
         self.trace = trace
-        self.inputs = (args, kwargs)
+        self.args, self.kwargs = args, kwargs
+        self.empty = not args and not kwargs  # sees the whole batch of the other invokes
+        self.rows: slice | None = None
+        self.prepared = None  # (args, kwargs): its rows of the batch's inputs, once joined
         self.frame = None
         self.code = None
         self.names: list[str] = []
+
+    @property
+    def inputs(self) -> tuple[tuple, dict]:
+        """This invoke's rows of the model inputs the batch runs with, as ``(args, kwargs)``:
+        text tokenized, token ids padded to the batch's length, with the attention mask
+        (call options such as ``max_new_tokens`` left out). An empty invoke's are the whole
+        batch's. Known once the batch is joined: in the invoke's body, or after the trace."""
+        if self.prepared is None:
+            raise TraceStateError(
+                "invoker.inputs is known once the invokes' inputs are joined into one batch, "
+                "when the invoke bodies run: read it inside the `with tracer.invoke(...) as "
+                "invoker:` block or after the trace, not between the invoke blocks.")
+        return self.prepared
 
     def __enter__(self) -> "Invoke":
         frame = sys._getframe(1)
@@ -72,17 +96,27 @@ class Invokes(InPlace):
                               "`with tracer.invoke(...):` blocks.")
 
     def result(self, body):
-        raise TraceStateError("tracer.result is not served in a trace with invokes (each "
-                              "invoke's rows would have to be cut out of generate's padded ids): "
-                              "pass the whole batch to model.generate(...) and read it there.")
+        """``tracer.result`` in an invoke of a generate trace: this invoke's rows of the ids
+        generate() returned, once it has returned (the other bodies' values come first)."""
+        if self.trace.method != "generate":
+            Requests.result(self, body)  # raises: a forward trace has model.output
+        _wait(body, _RESULT)
+        if self.generated is UNSET:
+            raise TraceStateError("tracer.result: generate() did not return.")
+        ids = batching.narrow(self.generated, body.rows, self.forward.size)
+        body.remember(ids, "tracer", ".result")
+        return ids
 
     def run_rest(self) -> None:
         trace = self.trace
         invokes = trace.invokes
         frame = invokes[0].frame
-        args, kwargs, rows = batching.join([inv.inputs for inv in invokes], trace.tokenizer)
+        args, kwargs = self._join(invokes)
         scheduler = greenlet.getcurrent()
-        bodies = [Body(self, rows=r, index=i, scheduler=scheduler) for i, r in enumerate(rows)]
+        bodies = [Body(self, rows=inv.rows, index=i, scheduler=scheduler)
+                  for i, inv in enumerate(invokes)]
+        if len(bodies) > 1 and any(inv.empty for inv in invokes):
+            self.session_type = InOrderSession  # rows overlap: bodies served one by one
         self.forward = self.open_session(bodies, args, kwargs)
         self.forward.slices = self.slices
         namespace = {**frame.f_globals, **frame.f_locals}
@@ -110,6 +144,35 @@ class Invokes(InPlace):
                     names[name] = value if id(value) in saved else capture.NotSaved(name)
         capture.write_back(frame, names)
 
+    def _join(self, invokes: list[Invoke]) -> tuple[tuple, dict]:
+        """The batch's (args, kwargs); sets each invoke's rows and inputs. An empty invoke
+        takes the whole batch: the other invokes' inputs, or else the trace's own."""
+        trace = self.trace
+        given = [inv for inv in invokes if not inv.empty]
+        if given:
+            args, kwargs, rows = batching.join([(i.args, i.kwargs) for i in given],
+                                               trace.tokenizer)
+            for inv, r in zip(given, rows):
+                inv.rows = r
+            inputs = (args, kwargs)
+            kwargs = _with_options(kwargs, batching.call_options(trace.raw_inputs[1]))
+        elif trace.has_inputs():
+            args, kwargs = batching.prepare(*trace.raw_inputs, trace.tokenizer)
+            inputs = (args, {k: v for k, v in kwargs.items() if batching.is_input(k, v)})
+        else:
+            raise TraceStateError(
+                "an empty tracer.invoke() sees the batch of the other invokes, and this trace "
+                "has none: give an invoke inputs (tracer.invoke(text)) or pass them to "
+                "model.trace(inputs).")
+        if trace.method == "generate":
+            _check_rows_kept(kwargs, self.engine.model)
+        size = batching.batch_size(args, kwargs)
+        for inv in invokes:
+            if inv.empty:
+                inv.rows = slice(0, size)
+            inv.prepared = batching.narrow(inputs, inv.rows, size)
+        return args, kwargs
+
     def _schedule(self, bodies: list[Body], runners: BodyRunners) -> None:
         wake = runners.wake
         for body in bodies:
@@ -117,6 +180,10 @@ class Invokes(InPlace):
         while runners.todo:
             waiting = [b for b in bodies if runners.live(b)]
             session = self.backward if self.forward.finished else self.forward
+            following = session.serve_next() if session is not None else None
+            if following is not None:  # rows overlap: the next body at this value, in order
+                wake(following)
+                continue
             if session is not None and not session.finished and any(
                     b.pending in session.wanted for b in waiting):
                 session.advance()
@@ -156,8 +223,8 @@ class Invokes(InPlace):
             return torch.autograd.backward([b.tensor for b in blocks], grads, **kwargs)
 
         fill_retained_grads(self.slices)
-        session = Session("backward", run, bodies, size=self.forward.size,
-                          threaded=backward_threaded(first.tensor))
+        session = self.session_type("backward", run, bodies, size=self.forward.size,
+                                    threaded=backward_threaded(first.tensor))
         session.slices = self.slices
         return session
 
@@ -237,6 +304,29 @@ class _RowsOfGrad:
             # there what the body computed from it, which these rows include.
             total = rows.clone() if self.before is None else self.before + rows
             view.grad = self.before = total
+
+
+def _with_options(kwargs: dict, options: dict) -> dict:
+    """The joined inputs with the trace's call options (``model.generate(max_new_tokens=3)``
+    beside invokes); an option an invoke also passes must agree."""
+    for key, value in options.items():
+        if key in kwargs and not batching.same(kwargs[key], value):
+            raise ValueError(f"{key}= is passed to model.trace()/generate() and, differently, "
+                             f"to the invokes; one call runs them all: pass it once.")
+    return {**kwargs, **options}
+
+
+def _check_rows_kept(kwargs: dict, module) -> None:
+    """generate() with several beams or returned sequences runs more rows than the invokes
+    gave: each invoke's rows of its values could not be told apart."""
+    config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
+    for name in ("num_beams", "num_return_sequences"):
+        n = kwargs.get(name, getattr(config, name, None)) or 1
+        if n > 1:
+            raise NotImplementedError(
+                f"model.generate(..., {name}={n}) with invokes: generate runs {n} rows per "
+                f"input row, so an invoke's rows of its values are not its inputs' rows. Pass "
+                f"the batch to model.generate(inputs, {name}={n}) without invokes.")
 
 
 def _wait(body: Body, key) -> None:

@@ -261,17 +261,27 @@ class Session:
             if self.views is not None:
                 value, self.paused_token = self._show(key, value)
             self.paused_value = value
-            kind = key[0].kind
-            for body in self.bodies:
-                if body.pending == key:
-                    rows, tensor, local = body.asked
-                    body.stop = Stop(key, value, rows, kind, self.size, self.slices, tensor, local)
-                    self.served.append(body)
+            self.serve(key, value)
             return
         self.finished = True
         self.paused_key = None
         if event.kind == "error":
             raise event.value
+
+    def serve(self, key, value) -> None:
+        """Give each body waiting for ``key`` its view of ``value``, all at once (their rows
+        are apart; ``in_order.py`` serves bodies whose rows overlap one after another)."""
+        kind = key[0].kind
+        for body in self.bodies:
+            if body.pending == key:
+                rows, tensor, local = body.asked
+                body.stop = Stop(key, value, rows, kind, self.size, self.slices, tensor, local)
+                self.served.append(body)
+
+    def serve_next(self):
+        """The next body to serve at the paused value, once the bodies served have moved on;
+        None: every body waiting there has its view (see ``serve``)."""
+        return None
 
     def finish(self) -> None:
         while not self.finished:

@@ -301,7 +301,6 @@ def test_single_invoke_grad(gpt2, tokenizer):
     assert_close(grad, _single_grad(gpt2, tokenizer, "Hello"))
 
 
-@pytest.mark.xfail(strict=True, reason="pending: promptless invoke")
 def test_input_plus_empty_invoke(gpt2, tokenizer):
     """test_backward_batching.py::TestBackwardRegressions::test_input_plus_empty_invoke"""
     model = distgrad.wrap(gpt2, tokenizer=tokenizer)

@@ -41,9 +41,10 @@ class Envoy:
     """
 
     # __dict__ holds child envoys by attribute name once looked up, so that `model.transformer`
-    # is a plain attribute read the second time (no __getattr__ call).
+    # is a plain attribute read the second time (no __getattr__ call). __weakref__: user code
+    # keeps weak references to models (caches keyed by model, as to an nn.Module or nnsight's).
     __slots__ = ("_module", "_path", "_children", "_call", "_parent", "_engine", "_local",
-                 "_kept", "__dict__")
+                 "_kept", "__dict__", "__weakref__")
 
     def __init__(self, module: torch.nn.Module, path: str, call: int | None = None,
                  parent: "Envoy | None" = None, engine=None):

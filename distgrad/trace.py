@@ -146,6 +146,8 @@ class Trace:
             if plan is not None and plan.allowed(frame.f_locals, frame):
                 self.requests, self.frame = GeneratorDriver(self, plan), frame
                 skip_from = plan.first_line
+            else:  # in place: let go of the snapshot those reads left (capture.release_locals)
+                capture.release_locals(frame)
         if self.requests is None:
             self.requests = InPlace(self)
         self.body = Body(self.requests)

@@ -13,7 +13,7 @@ import difflib
 import greenlet
 import torch
 
-from .errors import TraceStateError
+from .errors import ModuleIndexError, TraceStateError, TraceUsageError
 from .interleave.paused import PAUSE_STOP, PAUSED
 from .interleave.session import BODIES, UNSET, current_body
 from .torch_internals import submodules
@@ -137,8 +137,8 @@ class Envoy:
         except (IndexError, KeyError):
             valid = (f"keys {list(module.keys())}" if isinstance(module, torch.nn.ModuleDict)
                      else f"indices 0..{len(module) - 1}")
-            raise IndexError(f"{self._path}[{key!r}] does not exist: {self._path} has "
-                             f"{valid}.") from None
+            raise ModuleIndexError(f"{self._path}[{key!r}] does not exist: {self._path} has "
+                                   f"{valid}.") from None
         label = f"{self._path}[{key!r}]" if isinstance(key, str) else f"{self._path}[{key}]"
         envoy = Envoy(sub, label, parent=self) if isinstance(sub, torch.nn.Module) else sub
         self._children[key] = envoy
@@ -178,7 +178,7 @@ class Envoy:
     def _stop(self, kind: str):
         body = current_body()
         if body is None:
-            raise TraceStateError(f"{self._path}.{kind} can only be used inside "
+            raise TraceUsageError(f"{self._path}.{kind} can only be used inside "
                                   "`with model.trace(...):`.")
         return body, body.requests.module_value(body, self, kind)
 

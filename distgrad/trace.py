@@ -14,7 +14,7 @@ import torch
 from . import capture, engines, patches, wrappers
 from .config import config
 from .envoy import Envoy
-from .errors import TraceStateError, drop_context, forget_frames
+from .errors import TraceStateError, TraceUsageError, drop_context, forget_frames
 from .fastpath import GeneratorDriver, plan_for
 from .interleave.in_place import InPlace
 from .interleave.invoke import Invoke, Invokes
@@ -210,16 +210,24 @@ class Trace:
 
     def invoke(self, *args, **kwargs):
         """One input of a batched trace; see docs/concepts.rst ("Invokes")."""
+        body = current_body()
+        if body is not None and body.index is not None:  # run by the scheduler: an invoke's
+            raise TraceUsageError(
+                f"tracer.invoke(...) was opened inside the body of invoke {body.index}: an "
+                f"invoke cannot be opened inside another invoke's body. Close the first "
+                f"`with tracer.invoke(...):` block before opening the next, each directly in "
+                f"the trace's body.")
         if self.raw_inputs[0] or self.raw_inputs[1]:
-            raise TraceStateError("model.trace(inputs) already has inputs: either pass inputs to "
+            raise TraceUsageError("model.trace(inputs) already has inputs: either pass inputs to "
                                   "trace() or use tracer.invoke(...) blocks, not both.")
         refused = self.requests.invokes_refused
         if refused:
             raise TraceStateError(refused)
         if not self.invokes:  # the invokes serve the bodies from now on
             if self.requests.forward is not None:
-                raise TraceStateError("tracer.invoke(...) must come before the body reads any "
-                                      "value.")
+                raise TraceUsageError("tracer.invoke(...) must come before the body reads any "
+                                      "value: the forward has started on no inputs. Open the "
+                                      "invokes first and read values inside them.")
             self.requests = self.body.requests = Invokes(self)
             self.mode = self.requests.mode
         return Invoke(self, args, kwargs)

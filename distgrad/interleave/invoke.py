@@ -21,7 +21,7 @@ import greenlet
 import torch
 
 from .. import capture
-from ..errors import TraceStateError
+from ..errors import GradientError, TraceStateError, TraceUsageError
 from . import batching
 from .gradients import backward_threaded, grad_passed
 from .in_place import InPlace
@@ -69,7 +69,7 @@ class Invokes(InPlace):
         self.round: list = []  # the blocks the current backward serves
 
     def forward_session(self) -> Session:
-        raise TraceStateError("in a trace with invokes, read model values inside the "
+        raise TraceUsageError("in a trace with invokes, read model values inside the "
                               "`with tracer.invoke(...):` blocks.")
 
     def result(self, body):
@@ -194,7 +194,7 @@ class Invokes(InPlace):
         full, rows = (entry[1], body.rows) if entry is not None and entry[0] is tensor \
             else (tensor, None)
         if not tensor.requires_grad:
-            raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
+            raise GradientError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
                              f"it does not require grad.")
         point = session.grad_point(full)
         key = (point, point.calls)

@@ -13,7 +13,8 @@ from __future__ import annotations
 from . import engines, gradpatch, patches
 from .backward import BackwardTracer
 from .config import config
-from .errors import NotSavedError, OutOfOrderError, RankFailedError, TraceStateError
+from .errors import (GradientError, NotSavedError, OutOfOrderError, RankFailedError,
+                     TraceStateError, TraceUsageError)
 from .saving import save
 from .trace import Model, Trace
 
@@ -46,4 +47,5 @@ def wrap(module, tokenizer=None, accelerator=None, tp_shards: dict | None = None
 patches.install()  # Tensor.backward, Tensor.save, Tensor.grad
 
 __all__ = ["wrap", "save", "BackwardTracer", "Model", "Trace", "OutOfOrderError",
-           "NotSavedError", "TraceStateError", "RankFailedError", "config", "engines"]
+           "NotSavedError", "TraceStateError", "TraceUsageError", "GradientError",
+           "RankFailedError", "config", "engines"]

@@ -13,7 +13,7 @@ import difflib
 import greenlet
 import torch
 
-from .errors import TraceStateError
+from .errors import ModuleIndexError, TraceStateError, TraceUsageError
 from .interleave.paused import PAUSE_STOP, PAUSED
 from .interleave.session import BODIES, UNSET, current_body
 from .torch_internals import submodules
@@ -41,9 +41,10 @@ class Envoy:
     """
 
     # __dict__ holds child envoys by attribute name once looked up, so that `model.transformer`
-    # is a plain attribute read the second time (no __getattr__ call).
+    # is a plain attribute read the second time (no __getattr__ call). __weakref__: user code
+    # keeps weak references to models (caches keyed by model, as to an nn.Module or nnsight's).
     __slots__ = ("_module", "_path", "_children", "_call", "_parent", "_engine", "_local",
-                 "_kept", "__dict__")
+                 "_kept", "__dict__", "__weakref__")
 
     def __init__(self, module: torch.nn.Module, path: str, call: int | None = None,
                  parent: "Envoy | None" = None, engine=None):
@@ -136,8 +137,8 @@ class Envoy:
         except (IndexError, KeyError):
             valid = (f"keys {list(module.keys())}" if isinstance(module, torch.nn.ModuleDict)
                      else f"indices 0..{len(module) - 1}")
-            raise IndexError(f"{self._path}[{key!r}] does not exist: {self._path} has "
-                             f"{valid}.") from None
+            raise ModuleIndexError(f"{self._path}[{key!r}] does not exist: {self._path} has "
+                                   f"{valid}.") from None
         label = f"{self._path}[{key!r}]" if isinstance(key, str) else f"{self._path}[{key}]"
         envoy = Envoy(sub, label, parent=self) if isinstance(sub, torch.nn.Module) else sub
         self._children[key] = envoy
@@ -177,7 +178,7 @@ class Envoy:
     def _stop(self, kind: str):
         body = current_body()
         if body is None:
-            raise TraceStateError(f"{self._path}.{kind} can only be used inside "
+            raise TraceUsageError(f"{self._path}.{kind} can only be used inside "
                                   "`with model.trace(...):`.")
         return body, body.requests.module_value(body, self, kind)
 

@@ -29,6 +29,25 @@ class TraceStateError(RuntimeError):
     traced activation outside a backward block, a forward value after the forward ended."""
 
 
+class TraceUsageError(TraceStateError, ValueError):
+    """A trace or invoke block written so that it cannot run, where nnsight raises
+    ``ValueError``: a trace with no inputs, an invoke inside an invoke (or beside inputs, or
+    after the body read a value), a module value read or ``.save()`` called outside the block
+    that serves it. Both ``except TraceStateError`` and ``except ValueError`` catch it."""
+
+
+class GradientError(ValueError, RuntimeError):
+    """A gradient that cannot be read or replaced as written: ``.grad`` of a tensor that does
+    not require grad, a replacement of another shape, dtype or device. A ``ValueError``, and a
+    ``RuntimeError`` as PyTorch's own hook error for the same mistake is (what nnsight raises)."""
+
+
+class ModuleIndexError(IndexError, AttributeError):
+    """``model.transformer.h[7]`` past the end of a ``ModuleList`` (or a missing key of a
+    ``ModuleDict``). An ``IndexError``, and an ``AttributeError`` as nnsight's error for the
+    same path is."""
+
+
 def describe_tensor(t: torch.Tensor) -> str:
     """A short human label for a tensor that distgrad did not name itself."""
     fn = type(t.grad_fn).__name__ if t.grad_fn is not None else "leaf"
@@ -54,7 +73,7 @@ def check_replacement_grad(label, old: torch.Tensor, new) -> None:
     if new.device != old.device:
         problems.append(f"device {new.device} instead of {old.device}")
     if problems:
-        raise ValueError(f"{label} = ... : the replacement gradient has " + ", ".join(problems)
+        raise GradientError(f"{label} = ... : the replacement gradient has " + ", ".join(problems)
                          + f". A replacement must match the gradient it replaces; build it from "
                            f"{label} (e.g. {label} * 2, torch.zeros_like({label})).")
 

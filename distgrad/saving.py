@@ -16,7 +16,7 @@ import greenlet
 import torch
 
 from . import patches
-from .errors import TraceStateError
+from .errors import TraceStateError, TraceUsageError
 from .interleave.session import BODIES, current_body
 from .torch_internals import view_base
 
@@ -45,7 +45,7 @@ def save(obj, *, gather: str = "rank0", dim: int = 0):
         raise ValueError(f".save(gather={gather!r}): use one of {', '.join(GATHER_MODES)}.")
     body = current_body()
     if body is None:
-        raise TraceStateError(
+        raise TraceUsageError(
             ".save() was called outside a trace. Values exist only while a trace runs: call "
             ".save() inside `with model.trace(...):` (or a backward block), e.g. "
             "`h = model.transformer.h[0].output.save()`.")

@@ -14,7 +14,7 @@ import torch
 from . import capture, engines, patches, wrappers
 from .config import config
 from .envoy import Envoy
-from .errors import TraceStateError, drop_context, forget_frames
+from .errors import TraceStateError, TraceUsageError, drop_context, forget_frames
 from .fastpath import GeneratorDriver, plan_for
 from .interleave import batching
 from .interleave.in_place import InPlace
@@ -147,6 +147,8 @@ class Trace:
             if plan is not None and plan.allowed(frame.f_locals, frame):
                 self.requests, self.frame = GeneratorDriver(self, plan), frame
                 skip_from = plan.first_line
+            else:  # in place: let go of the snapshot those reads left (capture.release_locals)
+                capture.release_locals(frame)
         if self.requests is None:
             self.requests = InPlace(self)
         self.body = Body(self.requests)
@@ -216,8 +218,15 @@ class Trace:
     def invoke(self, *args, **kwargs):
         """One input of a batched trace; with no arguments, a body over the whole batch. See
         docs/concepts.rst ("Invokes")."""
+        body = current_body()
+        if body is not None and body.index is not None:  # run by the scheduler: an invoke's
+            raise TraceUsageError(
+                f"tracer.invoke(...) was opened inside the body of invoke {body.index}: an "
+                f"invoke cannot be opened inside another invoke's body. Close the first "
+                f"`with tracer.invoke(...):` block before opening the next, each directly in "
+                f"the trace's body.")
         if (args or kwargs) and self.has_inputs():
-            raise TraceStateError(
+            raise TraceUsageError(
                 "model.trace(inputs) already has inputs: either pass inputs to trace() or to "
                 "tracer.invoke(...) blocks, not both. (An empty tracer.invoke() in it sees "
                 "the trace's whole batch.)")
@@ -226,8 +235,9 @@ class Trace:
             raise TraceStateError(refused)
         if not self.invokes:  # the invokes serve the bodies from now on
             if self.requests.forward is not None:
-                raise TraceStateError("tracer.invoke(...) must come before the body reads any "
-                                      "value.")
+                raise TraceUsageError("tracer.invoke(...) must come before the body reads any "
+                                      "value: the forward has started on no inputs. Open the "
+                                      "invokes first and read values inside them.")
             self.requests = self.body.requests = Invokes(self)
             self.mode = self.requests.mode
         return Invoke(self, args, kwargs)

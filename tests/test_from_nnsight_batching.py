@@ -121,7 +121,6 @@ def test_invoker_group_batching(model):
     assert torch.equal(torch.cat([o1, o2, o5]), o3)
 
 
-@pytest.mark.xfail(strict=True, reason="pending: ValueError types")
 def test_no_input_and_no_invoke_raises(model):
     """test_batching.py::TestBatchingErrors::test_no_input_and_no_invoke_raises"""
     with pytest.raises(ValueError, match="invoke"):
@@ -129,7 +128,6 @@ def test_no_input_and_no_invoke_raises(model):
             pass
 
 
-@pytest.mark.xfail(strict=True, reason="pending: ValueError types")
 def test_invoke_while_running_raises(model):
     """test_batching.py::TestBatchingErrors::test_invoke_while_running_raises"""
     with pytest.raises(ValueError):

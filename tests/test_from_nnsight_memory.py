@@ -139,7 +139,6 @@ def test_multiple_tracers_freed(x):
     assert all(ref() is None for ref in refs)
 
 
-@pytest.mark.xfail(strict=True, reason="pending: weakref")
 def test_wrapper_freed_with_model(x):
     """test_memory_cleanup::TestInterleaverCleanup::test_interleaver_freed_with_wrapper, on the
     wrapper itself (distgrad has no interleaver object)."""

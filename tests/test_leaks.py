@@ -146,3 +146,42 @@ def test_the_model_dies_with_the_users_names(where):
     thread.start()
     thread.join()
     assert alive == []
+
+
+@pytest.mark.usefixtures("backward_mode")
+@pytest.mark.parametrize("where", ["trace", "invokes", "error"])
+def test_a_weak_reference_to_the_model_dies_with_it(where):
+    """``weakref.ref(model)`` works on the wrapped model (caches keyed by model use it), and
+    after a trace nothing of distgrad keeps the model: the reference dies with the user's
+    names. A thread of its own, as above, so that the runners it checks are its own."""
+    alive = []
+
+    def user():
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+        model = distgrad.wrap(net)
+        model_ref = weakref.ref(model)
+        assert model_ref() is model
+        try:
+            with model.trace(*([] if where == "invokes" else [torch.randn(2, 4)])) as tracer:
+                if where == "invokes":
+                    with tracer.invoke(torch.randn(2, 4)):
+                        with model.output.sum().backward():
+                            distgrad.save(model[0].weight.grad)
+                else:
+                    h = model[0].output
+                    with model.output.sum().backward():
+                        h.grad.save()
+                        if where == "error":
+                            raise KeyError("the user's own error")
+        except KeyError:
+            pass
+        del model, net, tracer
+        h = None
+        gc.collect()  # an envoy and its children link to each other: a cycle, freed here
+        if model_ref() is not None:
+            alive.append("model")
+
+    thread = threading.Thread(target=user)
+    thread.start()
+    thread.join()
+    assert alive == []

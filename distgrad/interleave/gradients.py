@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import config
+from ..errors import GradientError
 from .checkpointing import no_grad_message, read_without_grad
 from .points import GradPoint
 from .session import UNSET, Body, Session
@@ -61,10 +62,10 @@ def grad_stop(body: Body, tensor: torch.Tensor):
     return session.request(body, (point, point.calls), passed, UNSET, tensor)
 
 
-def _no_grad_flows(body: Body, tensor) -> ValueError:
+def _no_grad_flows(body: Body, tensor) -> GradientError:
     if read_without_grad(tensor):  # read inside a use_reentrant=True checkpointed block
-        return ValueError(no_grad_message(body.label_of(tensor)))
-    return ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because it does "
+        return GradientError(no_grad_message(body.label_of(tensor)))
+    return GradientError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because it does "
                       f"not require grad (computed under torch.no_grad() or from frozen inputs "
                       f"only).")
 

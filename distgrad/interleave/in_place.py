@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import OutOfOrderError, TraceStateError
+from ..errors import OutOfOrderError, TraceStateError, TraceUsageError
 from . import batching
 from .gradients import backward_threaded, close_session, grad_stop
 from .requests import Requests
@@ -45,7 +45,7 @@ class InPlace(Requests):
 
     def open_session(self, bodies, args, kwargs) -> Session:
         if not args and not kwargs:
-            raise TraceStateError("model.trace() has no inputs: pass them to trace(...) or add "
+            raise TraceUsageError("model.trace() has no inputs: pass them to trace(...) or add "
                                   "`with tracer.invoke(...):` blocks.")
         size = batching.batch_size(args, kwargs) if bodies[0].rows is not None else 0
         return self.session_type("forward", self.forward_call(args, kwargs), bodies, size=size,

@@ -23,7 +23,7 @@ import greenlet
 import torch
 
 from .. import capture
-from ..errors import TraceStateError
+from ..errors import GradientError, TraceStateError, TraceUsageError
 from . import batching
 from .gradients import backward_threaded, grad_passed
 from .in_order import InOrderSession
@@ -90,9 +90,10 @@ class Invokes(InPlace):
         super().__init__(trace)
         self.backward: Session | None = None  # the batch's backward, once a body opens a block
         self.slices: dict = {}  # id(view) -> (view, full, rows): the bodies' rows of values
+        self.round: list = []  # the blocks the current backward serves
 
     def forward_session(self) -> Session:
-        raise TraceStateError("in a trace with invokes, read model values inside the "
+        raise TraceUsageError("in a trace with invokes, read model values inside the "
                               "`with tracer.invoke(...):` blocks.")
 
     def result(self, body):
@@ -196,23 +197,34 @@ class Invokes(InPlace):
             if not self.forward.finished:
                 self.forward.finish()
                 continue
-            starting = [b for b in waiting if b.pending == _BACKWARD]
-            if starting and self.backward is None:
-                self.backward = self._backward_session(bodies)
-                for body in starting:
-                    wake(body)
-                continue
             if self.backward is not None and not self.backward.finished:
                 self.backward.finish()
                 continue
+            # The round's backward has ended: its bodies leave their blocks before the next
+            # round starts, so that each body's next block joins a backward of its own.
             done = [b for b in waiting if b.pending == _BACKWARD_DONE]
-            for body in (done or waiting):  # a body still waiting now waits for nothing that comes
+            if done:
+                for body in done:
+                    wake(body)
+                continue
+            starting = [b for b in waiting if b.pending == _BACKWARD]
+            if starting:
+                if self.backward is not None:
+                    self.backward.close()
+                self.backward = self._backward_session(bodies, starting)
+                for body in starting:
+                    wake(body)
+                continue
+            for body in waiting:  # a body still waiting now waits for nothing that comes
                 wake(body)
 
-    def _backward_session(self, bodies: list[Body]) -> Session:
-        blocks = [b.block for b in bodies if b.pending == _BACKWARD]
+    def _backward_session(self, bodies: list[Body], starting: list[Body]) -> Session:
+        """One round of backward blocks: the next block of each body that opens one. Their
+        backward is one, over the sum of their losses (the k-th block of every body that has
+        one runs in the k-th backward over the batch's graph)."""
+        blocks = [b.block for b in starting]
         first = blocks[0]
-        kwargs = _batch_backward_kwargs(blocks)
+        kwargs = round_kwargs(starting)
 
         def run():
             if all(not b.args for b in blocks):
@@ -222,7 +234,9 @@ class Invokes(InPlace):
             grads = [b.args[0] if b.args else None for b in blocks]
             return torch.autograd.backward([b.tensor for b in blocks], grads, **kwargs)
 
-        fill_retained_grads(self.slices)
+        if self.backward is None:  # once: the hooks accumulate over every round
+            fill_retained_grads(self.slices)
+        self.round = blocks
         session = self.session_type("backward", run, bodies, size=self.forward.size,
                                     threaded=backward_threaded(first.tensor))
         session.slices = self.slices
@@ -234,7 +248,7 @@ class Invokes(InPlace):
             block.backend = self.engine
         body.block = block
         _wait(body, _BACKWARD)
-        if self.backward is None:
+        if self.backward is None or not any(b is block for b in self.round):
             raise TraceStateError("the batch's backward could not start.")
 
     def close_backward(self, body, block, error) -> None:
@@ -247,7 +261,7 @@ class Invokes(InPlace):
         full, rows = (entry[1], body.rows) if entry is not None and entry[0] is tensor \
             else (tensor, None)
         if not tensor.requires_grad:
-            raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
+            raise GradientError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
                              f"it does not require grad.")
         point = session.grad_point(full)
         key = (point, point.calls)
@@ -256,24 +270,33 @@ class Invokes(InPlace):
 
     def close(self) -> None:
         self.backward = self.slices = None
+        self.round = []
         super().close()
 
 
-def _batch_backward_kwargs(blocks) -> dict:
-    """The keyword arguments of the batch's one backward. ``retain_graph`` may differ between
-    the blocks (nnsight's pattern passes it to every block but the last, since each of its
-    blocks would free the graph): the graph is kept if any block asks for it, which every
-    block's later use of the graph needs. Other arguments must agree."""
-    def others(kwargs):
-        return {k: v for k, v in kwargs.items() if k != "retain_graph"}
-
-    kwargs = others(blocks[0].kwargs)
-    if any(others(b.kwargs) != kwargs for b in blocks):
-        raise TraceStateError("the invokes' backward blocks pass different keyword arguments "
-                              "to backward(); one backward runs for the whole batch.")
-    if any(b.kwargs.get("retain_graph") for b in blocks):
-        kwargs["retain_graph"] = True
+def round_kwargs(starting: list[Body]) -> dict:
+    """The keyword arguments of one round's backward. ``retain_graph`` may differ: the batch's
+    graph is one, so it is kept when any block asks (a block that did not ask sees the same
+    numbers, and its body's next block, if any, finds the graph that another body kept)."""
+    blocks = [b.block for b in starting]
+    rest = [{k: v for k, v in b.kwargs.items() if k != "retain_graph"} for b in blocks]
+    for body, block, other in zip(starting, blocks, rest):
+        if other != rest[0]:
+            raise TraceStateError(
+                f"the backward blocks of invoke {starting[0].index} and invoke {body.index} pass "
+                f"different keyword arguments to backward() ({_words(blocks[0].kwargs)} and "
+                f"{_words(block.kwargs)}); one backward runs for the blocks of every invoke "
+                f"that opens one at that point. Pass the same arguments (retain_graph may "
+                f"differ).")
+    kwargs = dict(rest[0])
+    if any("retain_graph" in b.kwargs for b in blocks):
+        default = kwargs.get("create_graph", False)  # what backward() takes for a missing one
+        kwargs["retain_graph"] = any(b.kwargs.get("retain_graph", default) for b in blocks)
     return kwargs
+
+
+def _words(kwargs: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "none"
 
 
 def fill_retained_grads(slices: dict) -> None:

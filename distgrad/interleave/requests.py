@@ -25,7 +25,7 @@ The objects, from the simplest:
 """
 from __future__ import annotations
 
-from ..errors import TraceStateError
+from ..errors import TraceStateError, TraceUsageError
 
 
 class Requests:
@@ -62,7 +62,7 @@ class Requests:
                        "whole batch to model.trace(...).")
 
     def module_value(self, body, envoy, kind: str):
-        raise TraceStateError(f"{envoy._path}.{kind} can only be used inside "
+        raise TraceUsageError(f"{envoy._path}.{kind} can only be used inside "
                               "`with model.trace(...):`.")
 
     def open_backward(self, body, block) -> None:

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from ...envoy import Envoy
-from ...errors import OutOfOrderError, TraceStateError
+from ...errors import GradientError, OutOfOrderError, TraceStateError
 from ...interleave.requests import Requests
 from ...interleave.session import Stop
 
@@ -153,7 +153,7 @@ class BodyRequests(Requests):
             body.stop = Stop(("remote", tag), value, None, "grad", 0, None, tensor)
             return body.stop
         if not tensor.requires_grad:
-            raise ValueError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
+            raise GradientError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
                              f"it does not require grad.")
         point = session.grad_point(tensor)
         stop = session.request(body, (point, point.calls), lambda: (

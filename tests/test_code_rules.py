@@ -209,7 +209,7 @@ def test_the_core_uses_only_what_engines_declare():
 # for a distgrad module), so data flows down; and no two modules import each other in a circle.
 CORE_LAYERS = (
     ("leaves", lambda m: m in {"config", "errors", "torch_internals", "patches", "capture",
-                               "wrappers"}),
+                               "wrappers", "cpp_backtrace"}),
     ("the protocol", lambda m: m.split(".")[0] == "interleave"),
     ("what a body touches", lambda m: m in {"envoy", "backward", "gradpatch", "saving"}),
     ("the fast path", lambda m: m.split(".")[0] == "fastpath"),

@@ -285,14 +285,16 @@ def test_ragged_token_id_invokes(gpt2, tokenizer, model):
     assert_close(b, logits_of(gpt2, tokenizer, MSG), atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="gap: tokenizer arguments of an invoke (truncation, "
-                                       "max_length) are not applied to its text")
-def test_per_invoke_truncation(model):
-    """test_batching.py::TestInvokerInputFormats::test_per_invoke_truncation"""
+def test_per_invoke_truncation(gpt2, tokenizer, model):
+    """test_batching.py::TestInvokerInputFormats::test_per_invoke_truncation: the tokenizer's
+    keywords reach the tokenizer (the rest go to the model's call)."""
     with model.trace() as tracer:
         with tracer.invoke("word " * 50, truncation=True, max_length=4):
             short = model.transformer.h[0].output.save()
     assert short.shape[1] == 4
+    enc = dict(tokenizer(["word " * 50], return_tensors="pt", truncation=True, max_length=4))
+    seen, _ = hooked_run(gpt2, enc, {"h": gpt2.transformer.h[0]})
+    assert_close(short, seen["h"])
 
 
 def test_invoker_inputs(tokenizer, model):

@@ -8,6 +8,7 @@ import torch
 import distgrad
 from conftest import ATOL, param_grads
 from distgrad.demo.models import build_tokenizer
+from distgrad.interleave import batching
 
 pytestmark = pytest.mark.usefixtures("backward_mode")
 
@@ -331,3 +332,24 @@ def test_invoker_inputs_are_its_rows_of_the_tokenized_batch(gpt2, tokenizer):
         assert torch.equal(second.inputs[1][key], enc[key][1:])
         assert torch.equal(whole.inputs[1][key], enc[key])
     assert second.args == (TEXTS[1:],) and whole.args == () and whole.kwargs == {}
+
+
+def test_tokenizer_keywords_reach_the_tokenizer(gpt2, tokenizer):
+    """Keywords beside text that the tokenizer takes go to it (a trace and an invoke alike);
+    ``max_length`` alone stays an option of the call (generate's), with ``truncation`` it
+    bounds the text."""
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    text = "The Eiffel Tower is in"
+    plain = dict(tokenizer([text], return_tensors="pt", add_special_tokens=False))
+    with model.trace(text, add_special_tokens=False):
+        ids = model.transformer.wte.input.save()
+        logits = model.output.logits.save()
+    assert torch.equal(ids, plain["input_ids"])
+    with torch.no_grad():
+        torch.testing.assert_close(logits, gpt2(**plain).logits, atol=ATOL, rtol=0)
+    with model.trace() as tr:
+        with tr.invoke(text, truncation=True, max_length=5):
+            short = model.transformer.wte.input.save()
+    assert short.shape == (1, 5)
+    assert batching.tokenizer_options(tokenizer, {"max_length": 9, "do_sample": False}) == (
+        {}, {"max_length": 9, "do_sample": False})

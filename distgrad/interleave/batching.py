@@ -6,6 +6,8 @@ is the batch size are split; anything else is shown whole.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -25,11 +27,35 @@ def prepare(args: tuple, kwargs: dict, tokenizer) -> tuple[tuple, dict]:
             raise TypeError("model.trace() got text but distgrad.wrap() was given no tokenizer: "
                             "call distgrad.wrap(module, tokenizer=...) or pass token ids.")
         texts = [args[0]] if isinstance(args[0], str) else list(args[0])
-        encoded = tokenizer(texts, return_tensors="pt", padding=True)
+        options, kwargs = tokenizer_options(tokenizer, kwargs)
+        encoded = tokenizer(texts, **{"return_tensors": "pt", "padding": True, **options})
         return args[1:], {**dict(encoded), **kwargs}
     if args and isinstance(args[0], Mapping) and not kwargs and len(args) == 1:
         return (), dict(args[0])  # a BatchEncoding or a dict of model inputs
     return tuple(args), dict(kwargs)
+
+
+def tokenizer_options(tokenizer, kwargs: dict) -> tuple[dict, dict]:
+    """Split the keywords given beside text into the tokenizer's (``truncation``,
+    ``add_special_tokens``, ``padding``, ...: the named parameters of its ``__call__``) and the
+    rest, which go to the model's call. ``max_length`` is also an option of ``generate``: it
+    goes to the tokenizer only beside ``truncation`` or ``padding="max_length"``, which
+    bound the text's length with it."""
+    named = set(_call_parameters(type(tokenizer))) - _NOT_OPTIONS
+    sizing = kwargs.get("truncation") or kwargs.get("padding") == "max_length"
+    if not sizing:
+        named.discard("max_length")
+    options = {k: v for k, v in kwargs.items() if k in named}
+    return options, {k: v for k, v in kwargs.items() if k not in options}
+
+
+@functools.lru_cache(maxsize=None)
+def _call_parameters(cls) -> tuple:
+    return tuple(inspect.signature(cls.__call__).parameters)
+
+
+_NOT_OPTIONS = {"self", "text", "text_pair", "text_target", "text_pair_target", "kwargs",
+                "tokenizer_kwargs", "return_tensors"}
 
 
 def batch_size(args: tuple, kwargs: dict) -> int:

@@ -27,6 +27,8 @@ import threading
 import greenlet
 import torch
 
+from .. import cpp_backtrace
+
 
 class Abort(BaseException):
     """Thrown into a run to unwind it after the body failed; never reaches the user."""
@@ -85,6 +87,7 @@ def _take_runner() -> greenlet.greenlet:
     # Started here with no arguments, to wait for its first run's function like an idle one:
     # a greenlet keeps the arguments it was started with for as long as it lives, and in the
     # pool that would keep its first run's function (the model, the inputs) alive.
+    cpp_backtrace.guard()  # a torch error on a greenlet raises instead of crashing (once)
     glet = greenlet.greenlet(_runner)
     glet.switch()
     return glet

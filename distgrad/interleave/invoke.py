@@ -25,6 +25,7 @@ from ..errors import TraceStateError
 from . import batching
 from .gradients import backward_threaded, grad_passed
 from .in_place import InPlace
+from .invoke_names import InvokeNames, namespace
 from .run import BodyRunners
 from .session import BODIES, Body, Session
 
@@ -39,11 +40,13 @@ class Invoke:
         self.frame = None
         self.code = None
         self.names: list[str] = []
+        self.space: dict | None = None  # the caller's names at enter, for the body to run in
 
     def __enter__(self) -> "Invoke":
         frame = sys._getframe(1)
         self.code, self.names, first_line = capture.capture(frame)
         self.frame = frame
+        self.space = namespace(frame)
         self.trace.invokes.append(self)
         capture.skip(frame, first_line)
         return self
@@ -66,6 +69,7 @@ class Invokes(InPlace):
         super().__init__(trace)
         self.backward: Session | None = None  # the batch's backward, once a body opens a block
         self.slices: dict = {}  # id(view) -> (view, full, rows): the bodies' rows of values
+        self.hooked: set = set()  # ids of those views whose retained gradient is hooked up
 
     def forward_session(self) -> Session:
         raise TraceStateError("in a trace with invokes, read model values inside the "
@@ -85,9 +89,11 @@ class Invokes(InPlace):
         bodies = [Body(self, rows=r, index=i, scheduler=scheduler) for i, r in enumerate(rows)]
         self.forward = self.open_session(bodies, args, kwargs)
         self.forward.slices = self.slices
-        namespace = {**frame.f_globals, **frame.f_locals}
-        runners = BodyRunners({body: (lambda code=inv.code: exec(code, namespace))
-                               for inv, body in zip(invokes, bodies)}, BODIES)
+        names = InvokeNames([inv.space for inv in invokes],
+                            [name for inv in invokes for name in inv.names])
+        for inv in invokes:
+            inv.space = None  # the bodies hold them now, and nothing after them
+        runners = names.runners(bodies, [inv.code for inv in invokes], BODIES)
         try:
             self._schedule(bodies, runners)
         finally:
@@ -97,18 +103,13 @@ class Invokes(InPlace):
                     self.backward.abort()
                 self.backward.close()
             else:  # a backward after the trace fills them
-                fill_retained_grads(self.slices)
+                fill_retained_grads(self.slices, self.hooked)
             for body in bodies:
                 body.requests = None
         saved = {id(entry[0]) for body in bodies for entry in body.saves}
         trace.body.saves.extend(v for body in bodies for v in body.saves)
-        names = {}
-        for inv in invokes:
-            for name in inv.names:
-                if name in namespace:
-                    value = namespace[name]
-                    names[name] = value if id(value) in saved else capture.NotSaved(name)
-        capture.write_back(frame, names)
+        capture.write_back(frame, {name: value if id(value) in saved else capture.NotSaved(name)
+                                   for name, value in names.bound_values().items()})
 
     def _schedule(self, bodies: list[Body], runners: BodyRunners) -> None:
         wake = runners.wake
@@ -155,7 +156,7 @@ class Invokes(InPlace):
             grads = [b.args[0] if b.args else None for b in blocks]
             return torch.autograd.backward([b.tensor for b in blocks], grads, **kwargs)
 
-        fill_retained_grads(self.slices)
+        fill_retained_grads(self.slices, self.hooked)
         session = Session("backward", run, bodies, size=self.forward.size,
                           threaded=backward_threaded(first.tensor))
         session.slices = self.slices
@@ -187,8 +188,13 @@ class Invokes(InPlace):
         return session.request(body, key, lambda: grad_passed(body.block.tensor, tensor, body),
                                rows=rows, tensor=tensor)
 
+    def plain_backward(self, body, tensor) -> None:
+        """``loss.backward()`` as a plain call in a body: PyTorch's backward runs at once, over
+        the batch's graph, so the body's rows that retain their gradient are hooked up first."""
+        fill_retained_grads(self.slices, self.hooked)
+
     def close(self) -> None:
-        self.backward = self.slices = None
+        self.backward = self.slices = self.hooked = None
         super().close()
 
 
@@ -209,14 +215,16 @@ def _batch_backward_kwargs(blocks) -> dict:
     return kwargs
 
 
-def fill_retained_grads(slices: dict) -> None:
+def fill_retained_grads(slices: dict, hooked: set) -> None:
     """``retain_grad()`` on an invoke's rows of a value: the batch's graph goes on from the full
     tensor, not from the body's slice of it, so the slice's own retained gradient would hold at
     most what the body itself computed from it. A hook on the full tensor gives the slice its
-    rows of the full gradient, as ``retain_grad()`` on the whole batch and slicing would."""
-    for view, full, rows in slices.values():
-        if view.retains_grad and full.requires_grad:
+    rows of the full gradient, as ``retain_grad()`` on the whole batch and slicing would.
+    ``hooked``: the slices hooked up already, by an earlier backward of the trace."""
+    for key, (view, full, rows) in slices.items():
+        if key not in hooked and view.retains_grad and full.requires_grad:
             full.register_hook(_RowsOfGrad(view, rows))
+            hooked.add(key)
 
 
 class _RowsOfGrad:

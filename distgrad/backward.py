@@ -2,11 +2,13 @@
 
 ``patches.install()`` wraps ``torch.Tensor.backward`` so that a call written as the subject of
 a ``with`` statement returns a ``BackwardTracer`` instead of running at once; any other call
-runs the real backward unchanged, inside a trace or not. If another library replaced
-``Tensor.backward`` before (nnsight does, for its own ``with loss.backward():``), every call
-outside a distgrad body is that library's. Inside the block the real backward runs as a
-coroutine of the body (``interleave/run.py``): ``t.grad`` stops it where the gradient of ``t`` is
-computed, and what the body puts there flows on upstream.
+runs the real backward unchanged, inside a trace or not (in a body, the body's requests hear of
+it first: an invoke's rows of a value that retain their gradient are hooked up then). If
+another library replaced ``Tensor.backward`` before (nnsight does, for its own
+``with loss.backward():``), every call outside a distgrad body is that library's. Inside the
+block the real backward runs as a coroutine of the body (``interleave/run.py``): ``t.grad``
+stops it where the gradient of ``t`` is computed, and what the body puts there flows on
+upstream.
 """
 from __future__ import annotations
 
@@ -175,6 +177,9 @@ class BackwardAttribute:
         def backward(self, *args, **kwargs):
             if _opens_with(sys._getframe(1)):
                 return BackwardTracer(self, real, *args, **kwargs)
+            body = current_body()
+            if body is not None:  # a plain call in a body: the run may have to prepare
+                body.requests.plain_backward(body, self)
             return real(self, *args, **kwargs)
 
         backward.__doc__ = real.__doc__

@@ -204,7 +204,7 @@ class Trace:
         for invoke in self.invokes:
             if invoke.frame is not None:
                 capture.release_locals(invoke.frame)
-            invoke.frame = invoke.trace = None
+            invoke.frame = invoke.trace = invoke.space = None
         if self.frame is not None:
             capture.release_locals(self.frame)
         self.requests = self.frame = self._glet = self.step = None

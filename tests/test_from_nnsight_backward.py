@@ -129,12 +129,7 @@ def test_each_invoke_gets_its_own_gradient():
     assert_close(g1, mlp_fc1_grad(net, x1))
 
 
-LOOP_VARIABLE = pytest.mark.xfail(strict=True, reason="gap: a name an invoke body only reads "
-                                  "has its value at the end of the trace block, not where written")
-
-
-@pytest.mark.parametrize("target", [pytest.param(0, marks=LOOP_VARIABLE),
-                                    pytest.param(1, marks=LOOP_VARIABLE), 2])
+@pytest.mark.parametrize("target", [0, 1, 2])
 def test_gradient_from_any_invoke_of_three(target):
     """test_backward.py::TestBackwardAcrossInvokes::test_gradient_from_any_invoke_of_three"""
     net = mlp()
@@ -385,9 +380,6 @@ def test_retain_graph_across_invokes(gpt2, tokenizer, count):
 
 # --- tests/test_lm.py gradients --------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="gap: retain_grad() on an invoke's rows is filled by a "
-                   "backward block or a backward after the trace, not by a plain .backward() "
-                   "in the invoke body")
 def test_retain_grad(gpt2, tokenizer):
     """test_lm.py::test_retain_grad: ``retain_grad()`` and a plain ``.backward()`` in the body."""
     model = distgrad.wrap(gpt2, tokenizer=tokenizer)

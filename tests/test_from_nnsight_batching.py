@@ -180,8 +180,6 @@ def test_crossed_value_is_the_earlier_invokes_rows(gpt2, tokenizer, model):
     assert_close(mine, seen["h1"][1:])
 
 
-@pytest.mark.xfail(strict=True, reason="gap: a name an invoke body only reads has its value at "
-                                       "the end of the trace block, not where written")
 def test_loop_variable_binds_per_invoke(model):
     """test_batching.py::TestInvokeScope::test_loop_variable_binds_per_invoke"""
     seen = []

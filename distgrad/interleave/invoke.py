@@ -28,6 +28,7 @@ from . import batching
 from .gradients import backward_threaded, grad_passed
 from .in_order import InOrderSession
 from .in_place import InPlace
+from .invoke_names import InvokeNames, namespace
 from .requests import Requests
 from .run import BodyRunners
 from .session import BODIES, UNSET, Body, Session
@@ -50,6 +51,7 @@ class Invoke:
         self.frame = None
         self.code = None
         self.names: list[str] = []
+        self.space: dict | None = None  # the caller's names at enter, for the body to run in
 
     @property
     def inputs(self) -> tuple[tuple, dict]:
@@ -73,7 +75,12 @@ class Invoke:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not capture.SkipBody:
+        if exc_type is not None and exc_type is not capture.SkipBody:
+            return False
+        # the caller's names once the body was skipped: `as invoker` is bound by now, and the
+        # loop around the invoke is still at this invoke's step
+        self.space = namespace(self.frame)
+        if exc_type is None:  # (a body skipped without raising)
             return False
         capture.resume_tracing(exc)
         return True
@@ -91,6 +98,7 @@ class Invokes(InPlace):
         self.backward: Session | None = None  # the batch's backward, once a body opens a block
         self.slices: dict = {}  # id(view) -> (view, full, rows): the bodies' rows of values
         self.round: list = []  # the blocks the current backward serves
+        self.hooked: set = set()  # ids of those views whose retained gradient is hooked up
 
     def forward_session(self) -> Session:
         raise TraceUsageError("in a trace with invokes, read model values inside the "
@@ -120,9 +128,11 @@ class Invokes(InPlace):
             self.session_type = InOrderSession  # rows overlap: bodies served one by one
         self.forward = self.open_session(bodies, args, kwargs)
         self.forward.slices = self.slices
-        namespace = {**frame.f_globals, **frame.f_locals}
-        runners = BodyRunners({body: (lambda code=inv.code: exec(code, namespace))
-                               for inv, body in zip(invokes, bodies)}, BODIES)
+        names = InvokeNames([inv.space for inv in invokes],
+                            [name for inv in invokes for name in inv.names])
+        for inv in invokes:
+            inv.space = None  # the bodies hold them now, and nothing after them
+        runners = names.runners(bodies, [inv.code for inv in invokes], BODIES)
         try:
             self._schedule(bodies, runners)
         finally:
@@ -132,18 +142,13 @@ class Invokes(InPlace):
                     self.backward.abort()
                 self.backward.close()
             else:  # a backward after the trace fills them
-                fill_retained_grads(self.slices)
+                fill_retained_grads(self.slices, self.hooked)
             for body in bodies:
                 body.requests = None
         saved = {id(entry[0]) for body in bodies for entry in body.saves}
         trace.body.saves.extend(v for body in bodies for v in body.saves)
-        names = {}
-        for inv in invokes:
-            for name in inv.names:
-                if name in namespace:
-                    value = namespace[name]
-                    names[name] = value if id(value) in saved else capture.NotSaved(name)
-        capture.write_back(frame, names)
+        capture.write_back(frame, {name: value if id(value) in saved else capture.NotSaved(name)
+                                   for name, value in names.bound_values().items()})
 
     def _join(self, invokes: list[Invoke]) -> tuple[tuple, dict]:
         """The batch's (args, kwargs); sets each invoke's rows and inputs. An empty invoke
@@ -234,8 +239,7 @@ class Invokes(InPlace):
             grads = [b.args[0] if b.args else None for b in blocks]
             return torch.autograd.backward([b.tensor for b in blocks], grads, **kwargs)
 
-        if self.backward is None:  # once: the hooks accumulate over every round
-            fill_retained_grads(self.slices)
+        fill_retained_grads(self.slices, self.hooked)  # (slices a round added, too)
         self.round = blocks
         session = self.session_type("backward", run, bodies, size=self.forward.size,
                                     threaded=backward_threaded(first.tensor))
@@ -268,8 +272,13 @@ class Invokes(InPlace):
         return session.request(body, key, lambda: grad_passed(body.block.tensor, tensor, body),
                                rows=rows, tensor=tensor)
 
+    def plain_backward(self, body, tensor) -> None:
+        """``loss.backward()`` as a plain call in a body: PyTorch's backward runs at once, over
+        the batch's graph, so the body's rows that retain their gradient are hooked up first."""
+        fill_retained_grads(self.slices, self.hooked)
+
     def close(self) -> None:
-        self.backward = self.slices = None
+        self.backward = self.slices = self.hooked = None
         self.round = []
         super().close()
 
@@ -299,14 +308,16 @@ def _words(kwargs: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "none"
 
 
-def fill_retained_grads(slices: dict) -> None:
+def fill_retained_grads(slices: dict, hooked: set) -> None:
     """``retain_grad()`` on an invoke's rows of a value: the batch's graph goes on from the full
     tensor, not from the body's slice of it, so the slice's own retained gradient would hold at
     most what the body itself computed from it. A hook on the full tensor gives the slice its
-    rows of the full gradient, as ``retain_grad()`` on the whole batch and slicing would."""
-    for view, full, rows in slices.values():
-        if view.retains_grad and full.requires_grad:
+    rows of the full gradient, as ``retain_grad()`` on the whole batch and slicing would.
+    ``hooked``: the slices hooked up already, by an earlier backward of the trace."""
+    for key, (view, full, rows) in slices.items():
+        if key not in hooked and view.retains_grad and full.requires_grad:
             full.register_hook(_RowsOfGrad(view, rows))
+            hooked.add(key)
 
 
 class _RowsOfGrad:

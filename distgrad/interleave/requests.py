@@ -1,11 +1,12 @@
 """The one seam between a with-block body and the run that answers it.
 
-A body asks for six things: a module's value (``.output``, ``.input``, ``.inputs``), opening a
-backward block, a tensor's gradient inside it (``.grad``, read or assigned), closing the block,
-under a pipeline schedule the microbatch's loss (``tr.loss``), and in a generate trace what
-``generate()`` returned (``tracer.result``). Every ``Body`` holds the
-object that serves it (``Body.requests``); the envoy, the backward block and the ``.grad``
-property call that object and nothing else. Which kind of trace this is - a body in place, a
+A body asks for seven things: a module's value (``.output``, ``.input``, ``.inputs``), opening
+a backward block, a tensor's gradient inside it (``.grad``, read or assigned), closing the block,
+under a pipeline schedule the microbatch's loss (``tr.loss``), in a generate trace what
+``generate()`` returned (``tracer.result``), and it tells of a plain ``loss.backward()`` call
+about to run. Every ``Body`` holds the object that serves it (``Body.requests``); the envoy, the
+backward block, ``Tensor.backward`` and the ``.grad`` property call that object and nothing
+else. Which kind of trace this is - a body in place, a
 batch of invokes, a body run as a generator, a pipeline step - is decided once, when the trace
 opens (``Trace.__enter__``), by choosing the object; no caller tests it again.
 
@@ -42,6 +43,8 @@ class Requests:
       body's open block.
     * ``close_backward(body, block, error)``: the block ends, ``error`` the exception leaving
       it or None.
+    * ``plain_backward(body, tensor)``: ``tensor.backward()`` is called in the body as a
+      plain call, not a block; it runs right after this returns (PyTorch's own backward).
     * ``loss(body)``: ``tr.loss``, the microbatch's loss under a pipeline schedule.
     * ``result(body)``: ``tracer.result``, what ``generate()`` returned, once it has returned.
     * ``run_rest()``: the body has ended; run what is left of the trace.
@@ -72,6 +75,9 @@ class Requests:
         raise NotImplementedError(f"{type(self).__name__} serves no gradient.")
 
     def close_backward(self, body, block, error) -> None:
+        return None
+
+    def plain_backward(self, body, tensor) -> None:
         return None
 
     def loss(self, body):

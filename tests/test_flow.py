@@ -90,12 +90,9 @@ def test_wrong_layers_and_engines_are_refused(gpt2):
         distgrad.flow.Recorder(model, layers="transformer.wte")
     with pytest.raises(AttributeError):
         distgrad.flow.Recorder(model, layers=["transformer.nothing"])
-    pipeline = types.SimpleNamespace(captures_body=True, name="pipeline")
-    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
-        check_engine(pipeline)
-    tp = types.SimpleNamespace(captures_body=False, name="tp", root=gpt2, model=gpt2, world_size=1)
-    with pytest.raises(NotImplementedError, match="not yet the tp engine"):
-        check_engine(tp)
+    fsdp1 = types.SimpleNamespace(name="fsdp1")
+    with pytest.raises(NotImplementedError, match="the fsdp1 engine"):
+        check_engine(fsdp1)
 
 
 def synthetic(ranks: int, scales: list[float]) -> distgrad.flow.FlowRun:

@@ -39,7 +39,7 @@ UNSUPPORTED = {"fsdp1": "FSDP1's flat parameters", "deepspeed": "ZeRO's partitio
 
 
 def check_engine(engine) -> None:
-    name = getattr(engine, "inner", engine).name
+    name = engine.name
     if name in UNSUPPORTED:
         raise NotImplementedError(f"distgrad.flow does not support the {name} engine yet "
                                   f"({UNSUPPORTED[name]}).")

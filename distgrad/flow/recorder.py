@@ -34,7 +34,7 @@ def layer_paths(tree: torch.nn.Module, layers) -> list[str]:
 
 
 # engines whose parameter gradients flow cannot read yet
-UNSUPPORTED = {"fsdp1": "FSDP1's flat parameters", "deepspeed": "ZeRO's partitioned gradients",
+UNSUPPORTED = {"fsdp1": "FSDP1's flat parameters",
                "deepspeed-pipe": "gradients DeepSpeed's train_batch clears before it returns"}
 
 

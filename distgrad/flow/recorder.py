@@ -33,18 +33,6 @@ def layer_paths(tree: torch.nn.Module, layers) -> list[str]:
     return paths
 
 
-# engines whose parameter gradients flow cannot read yet
-UNSUPPORTED = {"fsdp1": "FSDP1's flat parameters",
-               "deepspeed-pipe": "gradients DeepSpeed's train_batch clears before it returns"}
-
-
-def check_engine(engine) -> None:
-    name = engine.name
-    if name in UNSUPPORTED:
-        raise NotImplementedError(f"distgrad.flow does not support the {name} engine yet "
-                                  f"({UNSUPPORTED[name]}).")
-
-
 def first_tensor(output):
     """The tensor a block passes on: its output, or the first element of a tuple output."""
     if isinstance(output, (tuple, list)) and output:
@@ -69,7 +57,6 @@ class Recorder:
 
     def __init__(self, model, layers):
         engine = engine_of(model)
-        check_engine(engine)
         self.engine = engine
         self.paths = layer_paths(engine.model, layers)
         # this rank's module for each layer, None where another rank's stage runs it
@@ -86,6 +73,9 @@ class Recorder:
         self.device = first.device if first is not None else torch.device("cpu")
         if self.device.type == "meta":  # a pipeline's full model: this rank owns no layer
             self.device = torch.device("cpu")
+        for module in self.modules:  # an engine that cannot tell its gradients refuses here
+            if module is not None:
+                engine.grad_pieces(module)
         self.acts = [Activation() for _ in self.paths]  # this step's activation gradients
         self.handles = [m.register_forward_hook(self.watcher(i))
                         for i, m in enumerate(self.modules) if m is not None]

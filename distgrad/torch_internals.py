@@ -217,3 +217,16 @@ def fsdp1_unsharded_grads(root) -> bool:
         if flat.grad is not None and flat.grad.size() != flat._sharded_size:
             return True
     return False
+
+
+def fsdp1_grad_layout(root) -> tuple[bool, bool, int]:
+    """(every FSDP1 flat parameter under ``root`` keeps its original parameters, every one is
+    sharded, the size of the largest group a flat parameter is sharded over) - what decides
+    whether an original parameter's ``.grad`` is this rank's piece of the reduced gradient.
+    ``use_orig_params`` lives on the handle only (``FlatParamHandle._use_orig_params``)."""
+    from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
+    handles = _get_fsdp_handles(root)
+    keeps = all(h._use_orig_params for h in handles)
+    sharded = all(h.uses_sharded_strategy for h in handles)
+    group = max((dist.get_world_size(h.process_group) for h in handles), default=1)
+    return keeps, sharded, group

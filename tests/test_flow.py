@@ -6,7 +6,6 @@ import json
 import math
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ import torch
 import distgrad
 import distgrad.flow
 from distgrad.demo.models import build_gpt2
-from distgrad.flow.recorder import check_engine
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from flow_job import raw_norms  # noqa: E402
@@ -84,18 +82,12 @@ def test_a_step_without_backward_records_zeros(gpt2):
     flow.close()
 
 
-def test_wrong_layers_and_engines_are_refused(gpt2):
+def test_wrong_layers_are_refused(gpt2):
     model = distgrad.wrap(gpt2)
     with pytest.raises(TypeError, match="ModuleList or Sequential"):
         distgrad.flow.Recorder(model, layers="transformer.wte")
     with pytest.raises(AttributeError):
         distgrad.flow.Recorder(model, layers=["transformer.nothing"])
-    pipeline = types.SimpleNamespace(captures_body=True, name="pipeline")
-    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
-        check_engine(pipeline)
-    tp = types.SimpleNamespace(captures_body=False, name="tp", root=gpt2, model=gpt2, world_size=1)
-    with pytest.raises(NotImplementedError, match="not yet the tp engine"):
-        check_engine(tp)
 
 
 def synthetic(ranks: int, scales: list[float]) -> distgrad.flow.FlowRun:

@@ -16,7 +16,7 @@ JOB = str(Path(__file__).parent / "dist" / "pp_job.py")
 # what pp_job.py runs with --cases all, each checked on every rank
 _ALL = ("case_read_edit", "case_read_edit_thread", "case_edits_read_back",
         "case_edits_read_back_thread", "case_body_without_source", "case_nothing_left_behind",
-        "case_out_of_order")
+        "case_flow", "case_out_of_order")
 
 
 def _job(tmp_path, schedule, microbatches, world, cases="all", split="manual", width=8):

@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import case_report, read_results, run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "tp_job.py")
-CASES = ["case_read_edit", "case_read_edit_thread", "case_collectives", "case_failure", "case_two_forms"]
+CASES = ["case_read_edit", "case_read_edit_thread", "case_collectives", "case_flow", "case_failure",
+         "case_two_forms"]
 
 
 @pytest.mark.parametrize("layout, world", [("tp", 2), ("sp", 2), ("fsdp-tp", 4)])

@@ -63,6 +63,15 @@ class AccelerateEngine(Engine):
     def owns(self, module):
         return self.inner.owns(module)
 
+    def module_here(self, module):
+        return self.inner.module_here(module)
+
+    def output_holders(self, module):
+        return self.inner.output_holders(module)
+
+    def grad_pieces(self, module):
+        return self.inner.grad_pieces(module)
+
     def begin_trace(self):
         self.inner.begin_trace()
 

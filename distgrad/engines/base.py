@@ -90,6 +90,26 @@ class Engine:
         module itself."""
         return module
 
+    # -- what distgrad.flow reads (not the core) ----------------------------------------------
+    def module_here(self, module: torch.nn.Module) -> torch.nn.Module | None:
+        """The module this process runs for ``module`` of ``model``, or None where another
+        process runs it (a pipeline stage's). Default: ``unwrap(module)``."""
+        return self.unwrap(module)
+
+    def output_holders(self, module: torch.nn.Module) -> list[int] | None:
+        """The ranks of the job that hold the same plain tensor as this one when ``module``
+        returns it (so that a norm over the job counts it once), or None: this rank alone (its
+        own rows). Default: the tensor-parallel ranks where ``views`` says the value is not
+        sharded among them; else None."""
+        return None if self.views is None else self.views.output_holders(module)
+
+    def grad_pieces(self, module: torch.nn.Module) -> list:
+        """The gradients of ``module``'s parameters this process holds after the backward, as
+        ``(tensor, copies)``: ``copies`` is how many ranks of the job hold that same tensor, or
+        None where the tensor says: a DTensor by its placements, a plain tensor being the reduced
+        gradient every rank holds. Default: each parameter's ``.grad``, copies None."""
+        return [(p.grad, None) for p in module.parameters() if p.grad is not None]
+
     def param(self, param: torch.nn.Parameter, path: str):
         """What ``model.<path>`` gives for a parameter: one whose ``.grad`` is the full,
         reduced gradient (a collective on sharded engines) and can be assigned. The core calls

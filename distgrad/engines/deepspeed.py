@@ -12,6 +12,11 @@
   ZeRO-3, and a ZeRO-3 weight has shape (0,) outside its module's forward). ``.grad`` through
   distgrad is ``deepspeed.utils.safe_get_full_grad(p)`` and assignment is ``safe_set_full_grad``:
   collectives, so make them on every rank.
+* Gradient norms (``distgrad.flow``): each rank's own part, no collective: under ZeRO-3
+  ``safe_get_local_grad`` (its partition), under ZeRO-1/2 its fragment of the flat partition
+  (the one ``safe_get_full_grad`` would all-reduce), a plain ``.grad`` where DeepSpeed left one
+  (the reduced gradient, on every rank). They exist between ``engine.backward`` and
+  ``engine.step()``, which consumes and clears them: record before the step.
 """
 from __future__ import annotations
 
@@ -39,6 +44,37 @@ class DeepSpeedEngineAdapter(DistributedEngine):
 
     def param(self, param, path):
         return ZeroParam(param, path, self.agree)
+
+    def grad_pieces(self, module):
+        # each element of a gradient lies in one rank's partition of the data-parallel group
+        # (DeepSpeed's _dp_group where it keeps one): other groups hold copies of it
+        outside = max(self.job_world // self.world_size, 1)
+        pieces = []
+        for param in module.parameters():
+            grad, copies = local_grad(param), outside
+            if grad is None and param.grad is not None:
+                grad, copies = param.grad, self.job_world  # reduced, whole on every rank
+            if grad is not None:
+                pieces.append((grad, copies))
+        return pieces
+
+
+def local_grad(param):
+    """This rank's part of ``param``'s reduced gradient under ZeRO (flat), or None: where
+    ``deepspeed.utils.safe_get_full_grad`` finds it, without its all-reduce."""
+    if getattr(param, "_hp_grad", None) is None and param.grad is not None:
+        return None  # a plain gradient (the caller's)
+    if hasattr(param, "ds_id"):  # ZeRO-3: this rank's partition
+        from deepspeed.utils import safe_get_local_grad
+        return safe_get_local_grad(param)
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:  # ZeRO-1/2: no element of it in this rank's partition
+        return None
+    fragment = mapping.get_lp_grad_fragment(param._index_in_param_group).float().flatten()
+    address = mapping.lp_fragment_address
+    if param.view(-1).shape == fragment.shape:  # a whole buffer kept on each rank (bf16)
+        fragment = fragment.narrow(0, address.start, address.numel)
+    return fragment
 
 
 class ZeroParam:

@@ -13,13 +13,18 @@
   full tensor inside the same context, which FSDP writes back to the shards. After a backward
   inside ``no_sync()`` the gradients are unsharded and rank-local until a synchronising
   backward; FSDP1 cannot gather them then, and ``.grad`` raises, saying so.
+* Gradient norms (``distgrad.flow``): with ``use_orig_params=True`` each original parameter's
+  ``.grad`` is its part in this rank's shard (flat; empty where it lies in other shards), so
+  the ranks' squares add up exactly; under NO_SHARD it is the whole reduced gradient on every
+  rank. With ``use_orig_params=False`` a block's parameters are gone into flat parameters and
+  distgrad.flow refuses.
 """
 from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from ..torch_internals import fsdp1_unsharded_grads, submodules
+from ..torch_internals import fsdp1_grad_layout, fsdp1_unsharded_grads, submodules
 from .ranks import DistributedEngine
 
 _WRAPPER_CHILDREN = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -50,6 +55,23 @@ class FSDP1Engine(DistributedEngine):
 
     def param(self, param, path):
         return FullParam(self.wrapped, param, path, self.agree)
+
+    def grad_pieces(self, module):
+        keeps, sharded, group = fsdp1_grad_layout(self.wrapped)
+        if not keeps:
+            raise NotImplementedError(
+                "distgrad.flow: this FSDP1 model was wrapped with use_orig_params=False, which "
+                "folds each block's parameters into flat parameters spanning several of them; "
+                "wrap it with FullyShardedDataParallel(..., use_orig_params=True) (the same "
+                "training) for per-layer parameter-gradient norms.")
+        if fsdp1_unsharded_grads(self.wrapped):
+            raise ValueError(
+                "distgrad.flow: step() after a backward inside no_sync(): FSDP1 keeps the "
+                "accumulated gradients unsharded on each rank until a backward outside "
+                "no_sync() reduces them. Call step() after the synchronising backward.")
+        # a shard: each element on one rank of its group, other groups (hybrid) hold copies
+        copies = max(self.job_world // group, 1) if sharded else self.job_world
+        return [(p.grad, copies) for p in module.parameters() if p.grad is not None]
 
 
 class FullParam:

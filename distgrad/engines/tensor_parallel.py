@@ -212,6 +212,13 @@ class TensorParallelViews:
                                          shape=shape, stride=stride)
         return piece
 
+    def output_holders(self, module) -> list[int] | None:
+        """The ranks holding the same plain tensor ``module`` returns: this rank's
+        tensor-parallel group, unless the plan or ``tp_shards`` says it is a shard."""
+        if self.parallel.get(module, (None, None))[1] is not None:
+            return None
+        return sorted(dist.get_process_group_ranks(self.mesh.get_group()))
+
     # -- gradients -----------------------------------------------------------------------
     def source(self, tensor):
         """(the tensor to hook, how its gradient is split) for a value shown whole, or None."""

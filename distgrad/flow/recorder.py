@@ -8,20 +8,12 @@ engine that runs the user's modules unchanged.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..trace import engine_of
 from .run import FlowRun
-
-# engines whose user modules run as written, with parameter gradients a plain tensor (the
-# reduced gradient) or a DTensor (its shard): what the norms below are exact for
-SUPPORTED = {"local", "ddp", "fsdp2", "accelerate"}
-# what an accelerate engine may have prepared: the module itself (one process) or DDP
-ACCELERATE_ROOTS = {"DistributedDataParallel"}
+from .squares import Activation, Params, check_copies, partial_squares
 
 
 def layer_paths(tree: torch.nn.Module, layers) -> list[str]:
@@ -41,24 +33,6 @@ def layer_paths(tree: torch.nn.Module, layers) -> list[str]:
     return paths
 
 
-def check_engine(engine) -> None:
-    if engine.captures_body:
-        raise NotImplementedError(
-            f"distgrad.flow does not support pipeline parallelism yet (the {engine.name} engine): "
-            "a pipeline stage holds only some of the layers.")
-    inner = type(engine.root).__name__
-    if engine.name not in SUPPORTED or (engine.name == "accelerate" and engine.root is not engine.model
-                                        and inner not in ACCELERATE_ROOTS):
-        raise NotImplementedError(
-            f"distgrad.flow supports one process, DDP, FSDP2 (fully_shard) and accelerate's DDP; "
-            f"not yet the {engine.name} engine ({inner}), whose parameter gradients are not the "
-            "module's own .grad, or whose activations are shards.")
-    if engine.world_size > 1 and engine.world_size != dist.get_world_size():
-        raise NotImplementedError(
-            "distgrad.flow gathers over the whole job; this engine's group is a part of it "
-            f"({engine.world_size} of {dist.get_world_size()} ranks).")
-
-
 def first_tensor(output):
     """The tensor a block passes on: its output, or the first element of a tuple output."""
     if isinstance(output, (tuple, list)) and output:
@@ -66,58 +40,45 @@ def first_tensor(output):
     return output if isinstance(output, torch.Tensor) else None
 
 
-def param_squares(module: torch.nn.Module, world: int):
-    """(sum of squares this rank holds, this rank's share of the global sum of squares) over the
-    gradients of ``module``'s parameters. A plain gradient is the reduced gradient, the same on
-    every rank: each holds 1/world of it. A DTensor gradient is this rank's part of it: its
-    squares count once per shard and are divided among the ranks that replicate it."""
-    held, share = [], []
-    for param in module.parameters():
-        grad = param.grad
-        if grad is None:
-            continue
-        if isinstance(grad, DTensor):
-            if any(p.is_partial() for p in grad.placements):
-                raise NotImplementedError("distgrad.flow: a partial (unreduced) DTensor gradient")
-            mesh = grad.device_mesh
-            if mesh.size() != world:
-                raise NotImplementedError("distgrad.flow: a DTensor gradient on a mesh smaller "
-                                          "than the job")
-            replicas = math.prod(mesh.size(d) for d, p in enumerate(grad.placements)
-                                 if p.is_replicate())
-            squares = grad.to_local().detach().float().pow(2).sum()
-            held.append(squares)
-            share.append(squares / replicas)
-        else:
-            squares = grad.detach().float().pow(2).sum()
-            held.append(squares)
-            share.append(squares / world)
-    if not held:
-        return None, None
-    return torch.stack(held).sum(), torch.stack(share).sum()
-
-
 class Recorder:
     """Records, per step, the norm of the gradient reaching each layer's output (summed over the
     step's backward passes) and of each layer's parameter gradients, per rank and global.
 
-    ``step()`` closes a step with one all_gather of a small vector (3 x layers + 1 floats) and
-    appends it to ``run`` (a :class:`~distgrad.flow.FlowRun`) on every rank. Every rank must call
-    it, after the step's backward and before the gradients are zeroed. The hooks stay on the
-    modules until ``close()`` (or the end of a ``with`` block over the recorder)."""
+    ``step()`` closes a step with one all_gather of a small vector (5 x layers + 1 floats, and
+    the local pieces of any Partial DTensor gradient) and appends it to ``run`` (a
+    :class:`~distgrad.flow.FlowRun`) on every rank. Every rank must call it, after the step's
+    backward and before the gradients are zeroed (DeepSpeed: before ``engine.step()``). The
+    hooks stay on the modules until ``close()`` (or the end of a ``with`` block over the
+    recorder).
+
+    Under pipeline parallelism ``layers`` names modules of the whole model (the ``full_model``
+    given to ``distgrad.wrap``): each rank hooks the layers its stages run, and every rank's
+    ``run`` holds all of them, in the model's order."""
 
     def __init__(self, model, layers):
         engine = engine_of(model)
-        check_engine(engine)
+        self.engine = engine
         self.paths = layer_paths(engine.model, layers)
-        self.modules = [engine.unwrap(engine.model.get_submodule(p)) for p in self.paths]
-        self.rank, self.world = engine.rank, engine.world_size
+        # this rank's module for each layer, None where another rank's stage runs it
+        self.modules = [engine.module_here(engine.model.get_submodule(p)) for p in self.paths]
+        self.holders = [None if m is None else engine.output_holders(m) for m in self.modules]
+        # the whole job: a tensor-parallel or pipeline group may be all of it, a data-parallel
+        # group part of it (the dp dimension of a 2-D mesh)
+        spread = engine.world_size > 1 and dist.is_initialized()
+        self.rank = dist.get_rank() if spread else 0
+        self.world = dist.get_world_size() if spread else 1
         self.run = FlowRun(self.paths, self.world, engine.name)
-        first = next(engine.model.parameters(), None)
+        first = next((p for m in self.modules if m is not None for p in m.parameters()), None)
+        first = first if first is not None else next(engine.model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
-        self.squares: list = [None] * len(self.paths)   # activation gradients of this step
+        if self.device.type == "meta":  # a pipeline's full model: this rank owns no layer
+            self.device = torch.device("cpu")
+        for module in self.modules:  # an engine that cannot tell its gradients refuses here
+            if module is not None:
+                engine.grad_pieces(module)
+        self.acts = [Activation() for _ in self.paths]  # this step's activation gradients
         self.handles = [m.register_forward_hook(self.watcher(i))
-                        for i, m in enumerate(self.modules)]
+                        for i, m in enumerate(self.modules) if m is not None]
 
     def watcher(self, layer: int):
         def on_output(module, args, output):
@@ -132,9 +93,7 @@ class Recorder:
 
     def adder(self, layer: int):
         def on_grad(grad):
-            squares = grad.detach().float().pow(2).sum()  # stays on the device: no sync here
-            before = self.squares[layer]
-            self.squares[layer] = squares if before is None else before + squares
+            self.acts[layer].add(grad, self.holders[layer], self.world, self.paths[layer])
 
         return on_grad
 
@@ -142,29 +101,39 @@ class Recorder:
         """End the step: gather every rank's squares (one collective) and record the norms.
         Returns the step's record (see :class:`FlowRun`)."""
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        acts = [zero if s is None else s.to(self.device) for s in self.squares]
-        held, share = [], []
-        for module in self.modules:
-            h, s = param_squares(module, self.world)
-            held.append(zero if h is None else h)
-            share.append(zero if s is None else s)
+        acts = [a.squares.to(self.device) if a.squares is not None else zero for a in self.acts]
+        shares = [(a.squares.to(self.device) / a.copies) if a.squares is not None else zero
+                  for a in self.acts]
+        keys = [torch.tensor(a.key, device=self.device) for a in self.acts]
+        params = [Params([] if m is None else self.engine.grad_pieces(m), self.world, zero)
+                  for m in self.modules]
+        n = len(self.paths)
+        head = acts + shares + keys + [p.held.to(self.device) for p in params] + \
+            [p.share.to(self.device) for p in params]
+        entries, start, pieces = [], 5 * n, []
+        for layer, p in enumerate(params):
+            for piece in p.partial:
+                entries.append((layer, start, piece.numel()))
+                start += piece.numel()
+                pieces.append(piece.to(self.device))
         counter = torch.tensor(float(len(self.run.steps)), device=self.device)
-        vector = torch.stack(acts + held + share + [counter]).double()
+        vector = torch.cat([torch.stack(head)] + pieces + [counter[None]]).double()
         if self.world > 1:
             parts = [torch.empty_like(vector) for _ in range(self.world)]
             dist.all_gather(parts, vector)
             rows = torch.stack(parts).cpu()
         else:
             rows = vector.cpu()[None]
-        self.squares = [None] * len(self.paths)
+        self.acts = [Activation() for _ in self.paths]
         if not torch.all(rows[:, -1] == rows[0, -1]):
             raise RuntimeError(f"distgrad.flow: the ranks are at different steps "
                                f"({rows[:, -1].long().tolist()}): every rank must call step() once per step")
-        n = len(self.paths)
+        check_copies(rows[:, :n], rows[:, 2 * n:3 * n], self.paths)
+        param_global = rows[:, 4 * n:5 * n].sum(0) + partial_squares(rows, entries, n)
         return self.run.add(activation=rows[:, :n].sqrt().tolist(),
-                            activation_global=rows[:, :n].sum(0).sqrt().tolist(),
-                            param=rows[:, n:2 * n].sqrt().tolist(),
-                            param_global=rows[:, 2 * n:3 * n].sum(0).sqrt().tolist())
+                            activation_global=rows[:, n:2 * n].sum(0).sqrt().tolist(),
+                            param=rows[:, 3 * n:4 * n].sqrt().tolist(),
+                            param_global=param_global.sqrt().tolist())
 
     def save(self, path: str) -> None:
         """Write the run as JSON (rank 0 only; other ranks write nothing)."""

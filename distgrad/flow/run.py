@@ -22,6 +22,13 @@ class FlowRun:
       backward: the reduced gradient (the same on every rank) under DDP, the rank's shard under
       FSDP2; ``param_global``: the norm of the whole reduced gradient. A rank whose data is off
       shows in ``activation``, not here: the engine has averaged it into everyone's gradient.
+
+    Under tensor parallelism a rank's ``activation`` is the gradient it holds: the whole value
+    where the output is replicated over the tensor-parallel ranks (the group's ranks show the
+    same number), its shard where it is sharded; its ``param`` is its shards (a ``Partial``
+    gradient: its own unreduced sum). Under pipelines a rank's rows hold its own stages' layers,
+    0 elsewhere. The global norms count each element of the whole gradient once on every
+    engine (docs/flow.rst, Engines).
     """
 
     def __init__(self, layers: list[str], ranks: int, engine: str, steps: list | None = None):

@@ -65,13 +65,22 @@ def close(got, want, what):
                                atol=0, msg=lambda m: f"{what}: {m}")
 
 
+def clear_grads(wrapped):
+    if type(wrapped).__name__ == "DeepSpeedEngine":
+        # ZeRO keeps accumulating into its partitioned buffers until an optimizer step; the
+        # job's optimizer has lr=0, so a step clears them and leaves the weights alone.
+        wrapped.step()
+    else:
+        wrapped.zero_grad(set_to_none=True)
+
+
 def traced_steps(model, wrapped, flow, rank, seeds, factor=1.0):
     for seed in seeds:
         with model.trace(mine(global_ids(flow.world, seed), rank)):
             with (model.output.logits.sum() * SCALE * factor).backward():
                 pass
-        flow.step()
-        wrapped.zero_grad(set_to_none=True)
+        flow.step()  # DeepSpeed: after engine.backward, before engine.step()
+        clear_grads(wrapped)
 
 
 def case_norms_match_raw_hooks(model, wrapped, rank, world, out):

@@ -22,21 +22,13 @@ from cases import close, expect_error, expect_failure_of_rank1, run_cases  # noq
 from distgrad.demo.models import build_gpt2
 from distgrad.demo.ranks import start_process_group, wrap_with_engine
 from dp_leaks import check_no_cycles  # noqa: E402
+from flow_job import case_norms_match_raw_hooks, clear_grads  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 torch.set_num_threads(1)
 # Losses are logits.sum() * SCALE: gradients of order 1, so that atol 1e-5 (cases.ATOL) is a fair test of
 # fp32 numbers summed in a different order (an all-reduce) rather than of their magnitude.
 SCALE = 1e-3
-
-
-def clear_grads(wrapped):
-    if type(wrapped).__name__ == "DeepSpeedEngine":
-        # ZeRO keeps accumulating into its partitioned buffers until an optimizer step; the
-        # job's optimizer has lr=0, so a step clears them and leaves the weights alone.
-        wrapped.step()
-    else:
-        wrapped.zero_grad(set_to_none=True)
 
 
 def global_ids(n_rows: int):
@@ -513,8 +505,14 @@ def case_param_grad_save(model, wrapped, rank, world):
         clear_grads(wrapped)
 
 
+def case_flow(model, wrapped, rank, world):
+    """distgrad.flow's norms on this engine against raw hooks (flow_job.py's case; rtol 1e-5)."""
+    case_norms_match_raw_hooks(model, wrapped, rank, world, None)
+
+
 CASES = {"all": [case_wrapper_names, case_generate_result, case_read_edit, case_saves, case_steady_saves, case_gather_memory, case_uneven, case_watch_only_in_traces, case_param_write,
-                 case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_param_grad_save, case_failure],
+                 case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_param_grad_save, case_flow, case_failure],
+         "flow": [case_flow],
          "fails_on_rank1": [case_fails_on_rank1, case_saves],
          "gather_memory": [case_gather_memory],
          "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad],

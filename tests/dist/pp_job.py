@@ -24,6 +24,7 @@ torch.set_num_threads(1)
 
 
 from distgrad.demo.models import Blocks, build_mlp  # noqa: E402  the demo's 4-block MLP
+from flow_pp import case_flow  # noqa: E402
 from pp_edits import (case_edits_read_back, case_edits_read_back_thread,  # noqa: E402
                       case_inputs_refused)
 from pp_failures import (case_failure, case_killed, case_rank_dependent,  # noqa: E402
@@ -264,7 +265,7 @@ def main():
     # each ends the job's group when it raises, so an error case runs last
     cases = {"all": (case_read_edit, case_read_edit_thread, case_edits_read_back,
                      case_edits_read_back_thread, case_body_without_source,
-                     case_nothing_left_behind, case_out_of_order), "failure": (case_failure,),
+                     case_nothing_left_behind, case_flow, case_out_of_order), "failure": (case_failure,),
              "late_read": (case_late_read,), "after_loss": (case_after_loss,), "grad_order": (case_grad_order,),
              "cross_grad": (case_cross_grad,), "killed": (case_killed,),
              "rank_dependent": (case_rank_dependent,),

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import distgrad
 from cases import close, expect_error, expect_failure_of_rank1, run_cases  # noqa: E402  (tests/dist is the script's folder)
 from distgrad.demo.models import build_llama, parallelize_llama
+from flow_tp import case_flow  # noqa: E402
 
 torch.set_num_threads(1)
 SCALE = 1e-3
@@ -345,8 +346,8 @@ def main():
     distgrad.config.failure_timeout = 3.0
     # case_failure ends with an error on a rank, which tears the process group down: the
     # ranks start again for the cases after it (cases.run_cases)
-    cases = {"all": (case_read_edit, case_read_edit_thread, case_collectives, case_failure,
-                     case_two_forms),
+    cases = {"all": (case_read_edit, case_read_edit_thread, case_collectives, case_flow,
+                     case_failure, case_two_forms),
              "killed": (case_killed,), "rank_dependent": (case_rank_dependent,),
              "rank_dependent_value": (case_rank_dependent_value,),
              "fails_first": (case_fails_in_body_on_rank1, case_read_edit, case_collectives)}[args.cases]

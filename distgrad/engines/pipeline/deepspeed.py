@@ -42,6 +42,13 @@ class DeepSpeedPipeEngine(PipelineEngine):
         self.stages = []
         self._setup(full_model, [engine.module], [engine.stage_id], engine.num_stages)
 
+    def grad_pieces(self, module):
+        raise NotImplementedError(
+            "distgrad.flow under DeepSpeed's pipeline engine: train_batch() steps the optimizer "
+            "and clears the gradients before it returns, so no step() can read the parameter "
+            "gradients. Use a torch.distributed.pipelining schedule (flow supports them), or "
+            "record without a Recorder: read the gradients in the trace's backward block.")
+
     def microbatches(self) -> int:
         return self.ds.micro_batches
 

@@ -234,6 +234,13 @@ class PipelineEngine(DistributedEngine):
     def owns(self, module) -> bool:
         return self.stage_of(module) in self.my_stages
 
+    def module_here(self, module):
+        return self.local.get(id(module)) if self.owns(module) else None
+
+    def grad_pieces(self, module):
+        # one stage runs a module: its gradients are on that rank alone
+        return [(p.grad, 1) for p in module.parameters() if p.grad is not None]
+
     def run_captured(self, trace, code, names, frame) -> None:
         PipelineRun(self, trace).run(code, names, frame)
 

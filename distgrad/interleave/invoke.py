@@ -51,7 +51,7 @@ class Invoke:
         self.frame = None
         self.code = None
         self.names: list[str] = []
-        self.space: dict | None = None  # the caller's names at enter, for the body to run in
+        self.space: dict | None = None  # the caller's names as its block ended, for the body
 
     @property
     def inputs(self) -> tuple[tuple, dict]:

@@ -57,6 +57,7 @@ class Recorder:
 
     def __init__(self, model, layers):
         engine = engine_of(model)
+        engine.refuse_flow()  # on every rank, before any hook goes on
         self.engine = engine
         self.paths = layer_paths(engine.model, layers)
         # this rank's module for each layer, None where another rank's stage runs it
@@ -73,9 +74,6 @@ class Recorder:
         self.device = first.device if first is not None else torch.device("cpu")
         if self.device.type == "meta":  # a pipeline's full model: this rank owns no layer
             self.device = torch.device("cpu")
-        for module in self.modules:  # an engine that cannot tell its gradients refuses here
-            if module is not None:
-                engine.grad_pieces(module)
         self.acts = [Activation() for _ in self.paths]  # this step's activation gradients
         self.handles = [m.register_forward_hook(self.watcher(i))
                         for i, m in enumerate(self.modules) if m is not None]

@@ -20,6 +20,10 @@ CASES = ["case_wrapper_names", "case_generate_result", "case_read_edit", "case_s
          "case_flow",
          "case_failure"]
 WORLD = 2
+# one engine's own cases (job.py's ENGINE_CASES), run by its "all" job before case_failure
+DDP_BACKWARDS = ["case_two_backward_blocks_in_no_sync", "case_two_backward_blocks_refused"]
+ENGINE_CASES = {"ddp": DDP_BACKWARDS, "accelerate": DDP_BACKWARDS,
+                "fsdp1": ["case_flow_refuses_flat_params"]}
 
 
 def _job(engine, cases, tmp_path_factory, world=WORLD):
@@ -48,6 +52,16 @@ def engine_job(request, tmp_path_factory):
 def test_engine_case_on_every_rank(engine_job, case):
     engine, (procs, results) = engine_job
     check_case(engine, procs, results, case)
+
+
+def test_engine_own_cases_on_every_rank(engine_job):
+    """DDP and accelerate's DDP: two backward blocks over one forward (dist/ddp_backwards.py);
+    FSDP1: distgrad.flow refusing use_orig_params=False on every rank (dist/flow_job.py)."""
+    engine, (procs, results) = engine_job
+    if engine not in ENGINE_CASES:
+        pytest.skip(f"{engine} has no cases of its own")
+    for case in ENGINE_CASES[engine]:
+        check_case(engine, procs, results, case)
 
 
 def test_failing_rank_ends_the_job_and_is_shown(tmp_path_factory):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 
 from .base import Engine
+from .ddp import DDPEngine
 
 
 class AccelerateEngine(Engine):
@@ -69,6 +70,9 @@ class AccelerateEngine(Engine):
     def output_holders(self, module):
         return self.inner.output_holders(module)
 
+    def refuse_flow(self):
+        self.inner.refuse_flow()
+
     def grad_pieces(self, module):
         return self.inner.grad_pieces(module)
 
@@ -79,6 +83,8 @@ class AccelerateEngine(Engine):
         return self.inner.end_trace(saves, error)
 
     def backward(self, tensor, fn, args, kwargs):
+        if isinstance(self.inner, DDPEngine):  # several blocks over one forward: ddp.py
+            self.inner.before_backward()
         return self.accelerator.backward(tensor, *args, **kwargs)
 
 
@@ -94,6 +100,8 @@ class PreparedWithoutAccelerator(AccelerateEngine):
 
     def backward(self, tensor, fn, args, kwargs):
         refuse_if_backward_differs()  # the steps can change after wrap (a setter on the Accelerator)
+        if isinstance(self.inner, DDPEngine):
+            self.inner.before_backward()
         return fn(tensor, *args, **kwargs)
 
 

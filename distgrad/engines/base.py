@@ -103,6 +103,12 @@ class Engine:
         sharded among them; else None."""
         return None if self.views is None else self.views.output_holders(module)
 
+    def refuse_flow(self) -> None:
+        """Raise where distgrad.flow cannot record this engine's parameter gradients. Called
+        by ``Recorder`` on every rank before it puts any hook on, whichever layers the rank
+        runs, so that every rank raises (a rank that went on would wait in ``step()``'s
+        collective). Default: nothing."""
+
     def grad_pieces(self, module: torch.nn.Module) -> list:
         """The gradients of ``module``'s parameters this process holds after the backward, as
         ``(tensor, copies)``: ``copies`` is how many ranks of the job hold that same tensor, or

@@ -56,14 +56,17 @@ class FSDP1Engine(DistributedEngine):
     def param(self, param, path):
         return FullParam(self.wrapped, param, path, self.agree)
 
-    def grad_pieces(self, module):
-        keeps, sharded, group = fsdp1_grad_layout(self.wrapped)
-        if not keeps:
+    def refuse_flow(self):
+        if not fsdp1_grad_layout(self.wrapped)[0]:
             raise NotImplementedError(
                 "distgrad.flow: this FSDP1 model was wrapped with use_orig_params=False, which "
                 "folds each block's parameters into flat parameters spanning several of them; "
                 "wrap it with FullyShardedDataParallel(..., use_orig_params=True) (the same "
                 "training) for per-layer parameter-gradient norms.")
+
+    def grad_pieces(self, module):
+        self.refuse_flow()
+        keeps, sharded, group = fsdp1_grad_layout(self.wrapped)
         if fsdp1_unsharded_grads(self.wrapped):
             raise ValueError(
                 "distgrad.flow: step() after a backward inside no_sync(): FSDP1 keeps the "

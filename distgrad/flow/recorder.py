@@ -13,7 +13,10 @@ import torch.distributed as dist
 
 from ..trace import engine_of
 from .run import FlowRun
-from .squares import Activation, Params, check_copies, partial_squares
+from torch.distributed.tensor import DTensor
+
+from .squares import (Activation, Params, check_copies, check_partial_layout, partial_layout,
+                      partial_squares)
 
 
 def layer_paths(tree: torch.nn.Module, layers) -> list[str]:
@@ -31,6 +34,13 @@ def layer_paths(tree: torch.nn.Module, layers) -> list[str]:
     if not paths:
         raise ValueError("layers: no module paths given")
     return paths
+
+
+def index_of(module):
+    """``grad -> the index of its parameter in module.parameters()`` (-1: not a ``.grad``)."""
+    found = {} if module is None else {id(p.grad): i for i, p in enumerate(module.parameters())
+                                       if p.grad is not None}
+    return lambda grad: found.get(id(grad), -1)
 
 
 def first_tensor(output):
@@ -57,6 +67,7 @@ class Recorder:
 
     def __init__(self, model, layers):
         engine = engine_of(model)
+        engine.refuse_flow()  # on every rank, before any hook goes on
         self.engine = engine
         self.paths = layer_paths(engine.model, layers)
         # this rank's module for each layer, None where another rank's stage runs it
@@ -73,10 +84,11 @@ class Recorder:
         self.device = first.device if first is not None else torch.device("cpu")
         if self.device.type == "meta":  # a pipeline's full model: this rank owns no layer
             self.device = torch.device("cpu")
-        for module in self.modules:  # an engine that cannot tell its gradients refuses here
-            if module is not None:
-                engine.grad_pieces(module)
         self.acts = [Activation() for _ in self.paths]  # this step's activation gradients
+        # Partial gradients come from DTensor parameters only (the same answer on every rank:
+        # each holds the whole model's structure)
+        self.partial_possible = any(isinstance(p, DTensor) for path in self.paths
+                                    for p in engine.model.get_submodule(path).parameters())
         self.handles = [m.register_forward_hook(self.watcher(i))
                         for i, m in enumerate(self.modules) if m is not None]
 
@@ -105,14 +117,17 @@ class Recorder:
         shares = [(a.squares.to(self.device) / a.copies) if a.squares is not None else zero
                   for a in self.acts]
         keys = [torch.tensor(a.key, device=self.device) for a in self.acts]
-        params = [Params([] if m is None else self.engine.grad_pieces(m), self.world, zero)
-                  for m in self.modules]
+        self.acts = [Activation() for _ in self.paths]
+        params = [Params([] if m is None else self.engine.grad_pieces(m), self.world, zero,
+                         index_of(m)) for m in self.modules]
+        if self.partial_possible and self.world > 1:
+            check_partial_layout(partial_layout(params), self.world, self.device, self.paths)
         n = len(self.paths)
         head = acts + shares + keys + [p.held.to(self.device) for p in params] + \
             [p.share.to(self.device) for p in params]
         entries, start, pieces = [], 5 * n, []
         for layer, p in enumerate(params):
-            for piece in p.partial:
+            for _, piece in p.partial:
                 entries.append((layer, start, piece.numel()))
                 start += piece.numel()
                 pieces.append(piece.to(self.device))
@@ -124,7 +139,6 @@ class Recorder:
             rows = torch.stack(parts).cpu()
         else:
             rows = vector.cpu()[None]
-        self.acts = [Activation() for _ in self.paths]
         if not torch.all(rows[:, -1] == rows[0, -1]):
             raise RuntimeError(f"distgrad.flow: the ranks are at different steps "
                                f"({rows[:, -1].long().tolist()}): every rank must call step() once per step")

@@ -14,12 +14,20 @@ Two things need the other ranks' numbers, and ride in the same vector:
 * A ``Partial`` DTensor gradient (sequence-parallel norm weights: each rank's sum over its own
   positions) has no norm of its own: the rank sends its local tensor, padded to the largest
   local shape, and the sums over each group of partial holders are squared after the gather.
+  That reads every rank's pieces at this rank's offsets, so it needs every rank to send the
+  same parameters' pieces. They usually do (the ranks run one program, and DTensor's sharding
+  rules give each gradient the same placements everywhere), but a ``.grad`` that is None on
+  some ranks only (a parameter unused on their data, gradients cleared on some ranks) would
+  shift the offsets, or change the vector's length and fail the all_gather itself. So where
+  the recorded layers hold DTensor parameters, ``check_partial_layout`` first gathers each
+  rank's layout (a few floats per layer) and raises on every rank where they differ.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 AGREE_RTOL = 1e-3  # copies of one value: equal up to reduction order, shards differ far more
@@ -65,15 +73,16 @@ class Activation:
 
 class Params:
     """One layer's parameter-gradient squares on this rank: held, this rank's share of the
-    global sum, and the partial pieces whose share is known only after the gather."""
+    global sum, and the partial pieces whose share is known only after the gather, each with
+    its parameter's index in the module (``index_of(grad)``: for the layout check)."""
 
-    def __init__(self, pieces: list, world: int, zero):
+    def __init__(self, pieces: list, world: int, zero, index_of=lambda grad: -1):
         held, share, self.partial = [zero], [zero], []
         for grad, copies in pieces:
             if isinstance(grad, DTensor):
                 local = grad.to_local().detach().float()
                 if any(p.is_partial() for p in grad.placements):
-                    self.partial.append(partial_entry(grad, local, world))
+                    self.partial.append((index_of(grad), partial_entry(grad, local, world)))
                     held.append(local.pow(2).sum())
                     continue
                 copies = dtensor_copies(grad, world)[1] if copies is None else copies
@@ -99,6 +108,35 @@ def partial_entry(grad, local, world: int) -> torch.Tensor:
     padded[:local.numel()] = local.reshape(-1)
     head = torch.tensor([float(min(group)), 1.0 / copies], device=local.device)
     return torch.cat([head, padded])
+
+
+def partial_layout(params: list[Params]) -> torch.Tensor:
+    """Per layer: how many partial pieces, their length in the vector, and which parameters
+    (a sum of 2 ** index: equal sums, the same parameters)."""
+    layout = torch.zeros(len(params), 3, dtype=torch.float64)
+    for layer, p in enumerate(params):
+        for index, piece in p.partial:
+            layout[layer] += torch.tensor([1.0, piece.numel(), 2.0 ** (index % 52)], dtype=torch.float64)
+    return layout
+
+
+def check_partial_layout(layout: torch.Tensor, world: int, device, paths: list[str]) -> None:
+    """Every rank sends the same parameters' partial pieces, or every rank raises (one
+    all_gather of the layouts, before the step's own)."""
+    vector = layout.flatten().to(device)
+    parts = [torch.empty_like(vector) for _ in range(world)]
+    dist.all_gather(parts, vector)
+    rows = torch.stack(parts).cpu().view(world, *layout.shape)
+    for layer, path in enumerate(paths):
+        if not torch.equal(rows[:, layer], rows[:1, layer].expand_as(rows[:, layer])):
+            counts = rows[:, layer, 0].long().tolist()
+            raise RuntimeError(
+                f"distgrad.flow: the ranks hold different Partial (unreduced) DTensor gradients "
+                f"at {path} (pieces per rank: {counts}; or of different parameters): a "
+                f"parameter's .grad is None on some ranks only, or was replaced on some. Its "
+                f"global norm needs every rank's piece of the same gradients. Run every "
+                f"parameter of the recorded layers on every rank and clear gradients on every "
+                f"rank alike, or leave such a layer out of layers=.")
 
 
 def check_copies(rows: torch.Tensor, keys: torch.Tensor, paths: list[str]) -> None:

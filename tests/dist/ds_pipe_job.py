@@ -1,6 +1,6 @@
 """DeepSpeed's pipeline engine: the demo's 4-block MLP as a PipelineModule over the ranks (one
 stage each), one train_batch per trace. Usage: ds_pipe_job.py --microbatches M --out DIR
-[--cases {train_batch,rank_dependent}].
+[--cases {train_batch,rank_dependent}]; train_batch's group also runs case_flow_refused.
 
 Oracle (pp_job.oracle): the unsplit model on one process with the same edits; DeepSpeed
 backpropagates each microbatch's loss / M, so the body's gradients equal the whole batch's, and
@@ -18,8 +18,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distgrad  # noqa: E402
+import distgrad.flow  # noqa: E402
 from cases import close, expect_error, run_cases  # noqa: E402
 from distgrad.demo.models import build_mlp  # noqa: E402
+from flow_job import expect_refusal  # noqa: E402
 from pp_job import batch, oracle  # noqa: E402
 
 LR = 0.1
@@ -71,6 +73,15 @@ def case_rank_dependent(model, net, engine, ctx):
     expect_error(run, distgrad.TraceStateError, "did not send")
 
 
+def case_flow_refused(model, net, engine, ctx):
+    """distgrad.flow under train_batch: Recorder refuses on every rank, also where the layers
+    named are all on stage 0 (rank 1 runs none of them and would otherwise go on to wait in
+    step()'s collective), and leaves no hook on any module."""
+    for layers in ("layers", ["layers.0"]):
+        expect_refusal(lambda: distgrad.flow.Recorder(model, layers=layers), net,
+                       "torch.distributed.pipelining")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--microbatches", type=int, default=2)
@@ -95,8 +106,9 @@ def main():
     model = distgrad.wrap(engine, full_model=net)
     ctx = {"rank": rank, "world": world, "m": args.microbatches,
            "mine": list(range(pipe._local_start, pipe._local_stop))}
-    case = {"train_batch": case_train_batch, "rank_dependent": case_rank_dependent}[args.cases]
-    run_cases((case,), args.out, rank, model, net, engine, ctx)
+    cases = {"train_batch": (case_train_batch, case_flow_refused),
+             "rank_dependent": (case_rank_dependent,)}[args.cases]
+    run_cases(cases, args.out, rank, model, net, engine, ctx)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import distgrad
 import distgrad.flow
 from cases import run_cases  # noqa: E402  (tests/dist is the script's folder)
 from distgrad.demo.models import build_gpt2
-from distgrad.demo.ranks import start_process_group, wrap_with_engine
+from distgrad.demo.ranks import device, start_process_group, wrap_with_engine
 
 torch.set_num_threads(1)
 SCALE = 1e-3  # losses are logits.sum() * SCALE: gradients of order 1 (see job.py)
@@ -115,6 +115,41 @@ def case_odd_rank(model, wrapped, rank, world, out):
     path = os.path.join(out, f"run{rank}.json")
     flow.save(path)
     assert os.path.exists(path) == (rank == 0), "only rank 0 writes the file"
+
+
+def hooks_on(net) -> list[int]:
+    return [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules()]
+
+
+def expect_refusal(build, net, says: str) -> None:
+    """``build()`` (a Recorder) raises NotImplementedError saying ``says`` on this rank (every
+    rank runs it: none may go on to wait in step()'s collective), and leaves no hook on
+    ``net``."""
+    before = hooks_on(net)
+    try:
+        build()
+    except NotImplementedError as exc:
+        if says not in str(exc):
+            raise
+    else:
+        raise AssertionError("the Recorder was built")
+    assert hooks_on(net) == before, "the refused Recorder left hooks behind"
+
+
+def case_flow_refuses_flat_params(model, wrapped, rank, world):
+    """FSDP1 with use_orig_params=False (built here: the job's model keeps its original
+    parameters) has only flat gradients spanning blocks: Recorder refuses on every rank,
+    naming use_orig_params=True, whichever layers it is given."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    net = build_gpt2()
+    flat = FullyShardedDataParallel(net, use_orig_params=False, device_id=device(),
+                                    auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
+    flat_model = distgrad.wrap(flat)
+    for layers in ("transformer.h", ["transformer.h.1"]):
+        expect_refusal(lambda: distgrad.flow.Recorder(flat_model, layers=layers), flat,
+                       "use_orig_params=True")
 
 
 CASES = [case_norms_match_raw_hooks, case_odd_rank]

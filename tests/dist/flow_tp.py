@@ -51,8 +51,10 @@ def near(got, want, what):
 
 def case_flow(model, net, ctx):
     """Two backward passes in one step: every rank's row and the global norms against the
-    unsplit model. Under sp both decoder layers return sequence shards, declared with
-    tp_shards; undeclared (the job's own wrap names layer 0 only), the step raises."""
+    unsplit model (under sp the norm weights' Partial gradients summed per group before
+    squaring). Under sp both decoder layers return sequence shards, declared with tp_shards;
+    undeclared (the job's own wrap names layer 0 only), the step raises; ranks holding
+    different Partial gradients raise too."""
     rank, dp, dp_rank, tp_rank, sequence = ctx
     world = 2 * dp  # tensor-parallel pairs
     kwargs = {"position_ids": torch.arange(SEQ)[None]} if sequence else {}
@@ -84,7 +86,32 @@ def case_flow(model, net, ctx):
         near(record["activation"][r], torch.stack(mine), f"rank {r}'s activation norms")
     near(record["param_global"], params, "global parameter norms")
     if sequence:
+        uneven_partials(flow_model, net, kwargs, tp_rank)
         undeclared(model, net, kwargs)
+
+
+def uneven_partials(model, net, kwargs, tp_rank):
+    """The norm weights' gradients are Partial (each rank's sum over its positions), and the
+    step sums every rank's pieces at the same offsets. Rank 1 drops one of layer 1's (fewer
+    pieces), then the other of its two (as many pieces, of another parameter): step() raises
+    on every rank, naming the layer, instead of failing the all_gather or adding unlike pieces."""
+    layer = net.model.layers[1]
+    for dropped in ({0: None, 1: "input_layernorm"},
+                    {0: "input_layernorm", 1: "post_attention_layernorm"}):
+        with distgrad.flow.Recorder(model, layers="model.layers") as flow:
+            with model.trace(ids_of(34, 2), **kwargs):
+                with (model.output.logits.sum() * SCALE).backward():
+                    pass
+            if dropped[tp_rank] is not None:
+                getattr(layer, dropped[tp_rank]).weight.grad = None
+            try:
+                flow.step()
+            except RuntimeError as exc:
+                if "model.layers.1" not in str(exc) or "Partial" not in str(exc):
+                    raise
+            else:
+                raise AssertionError(f"ranks' Partial pieces differ ({dropped}), and step() took them")
+            net.zero_grad(set_to_none=True)
 
 
 def undeclared(model, net, kwargs):

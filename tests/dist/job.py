@@ -22,7 +22,8 @@ from cases import close, expect_error, expect_failure_of_rank1, run_cases  # noq
 from distgrad.demo.models import build_gpt2
 from distgrad.demo.ranks import start_process_group, wrap_with_engine
 from dp_leaks import check_no_cycles  # noqa: E402
-from flow_job import case_norms_match_raw_hooks, clear_grads  # noqa: E402
+from ddp_backwards import CASES as DDP_BACKWARDS  # noqa: E402
+from flow_job import case_flow_refuses_flat_params, case_norms_match_raw_hooks, clear_grads  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 torch.set_num_threads(1)
@@ -518,6 +519,9 @@ CASES = {"all": [case_wrapper_names, case_generate_result, case_read_edit, case_
          "killed": [case_killed], "rank_dependent_param_grad": [case_rank_dependent_param_grad],
          # many ranks or nodes: parity, gathers of every rank's rows, uneven batches, a failure
          "at_scale": [case_read_edit, case_saves, case_uneven, case_generate_result, case_failure]}
+# one engine's own cases, run by "all" before case_failure
+ENGINE_CASES = {"fsdp1": [case_flow_refuses_flat_params], "ddp": DDP_BACKWARDS,
+                "accelerate": DDP_BACKWARDS}
 
 
 def main():
@@ -532,7 +536,10 @@ def main():
     wrapped, options = wrap_with_engine(args.engine, build_gpt2(), lr=0.0)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = distgrad.wrap(wrapped, accelerator=options.get("accelerator"))
-    run_cases(CASES[args.cases], args.out, rank, model, wrapped, rank, world)
+    cases = CASES[args.cases]
+    if args.cases == "all":
+        cases = cases[:-1] + ENGINE_CASES.get(args.engine, []) + cases[-1:]
+    run_cases(cases, args.out, rank, model, wrapped, rank, world)
 
 if __name__ == "__main__":
     sys.exit(main())

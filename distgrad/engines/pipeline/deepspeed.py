@@ -42,12 +42,15 @@ class DeepSpeedPipeEngine(PipelineEngine):
         self.stages = []
         self._setup(full_model, [engine.module], [engine.stage_id], engine.num_stages)
 
-    def grad_pieces(self, module):
+    def refuse_flow(self):
         raise NotImplementedError(
             "distgrad.flow under DeepSpeed's pipeline engine: train_batch() steps the optimizer "
             "and clears the gradients before it returns, so no step() can read the parameter "
             "gradients. Use a torch.distributed.pipelining schedule (flow supports them), or "
             "record without a Recorder: read the gradients in the trace's backward block.")
+
+    def grad_pieces(self, module):
+        self.refuse_flow()
 
     def microbatches(self) -> int:
         return self.ds.micro_batches

@@ -24,7 +24,7 @@ import torch
 
 from .. import capture
 from ..errors import GradientError, TraceStateError, TraceUsageError
-from . import batching
+from . import autograd_calls, batching
 from .gradients import backward_threaded, grad_passed
 from .in_order import InOrderSession
 from .in_place import InPlace
@@ -134,7 +134,8 @@ class Invokes(InPlace):
             inv.space = None  # the bodies hold them now, and nothing after them
         runners = names.runners(bodies, [inv.code for inv in invokes], BODIES)
         try:
-            self._schedule(bodies, runners)
+            with autograd_calls.serving():  # torch.autograd's functions called in the bodies
+                self._schedule(bodies, runners)
         finally:
             runners.close()
             if self.backward is not None:
@@ -276,6 +277,17 @@ class Invokes(InPlace):
         """``loss.backward()`` as a plain call in a body: PyTorch's backward runs at once, over
         the batch's graph, so the body's rows that retain their gradient are hooked up first."""
         fill_retained_grads(self.slices, self.hooked)
+
+    def grad_inputs(self, body, inputs: list) -> tuple[list, list | None]:
+        """``torch.autograd.grad(loss, h)`` in a body, ``h`` its rows of a value: the graph goes
+        on from the batch's tensor, so that is differentiated, and its rows are ``h``'s."""
+        slices = self.slices
+        found = [slices.get(id(t)) for t in inputs]
+        found = [e if e is not None and e[0] is t else None for e, t in zip(found, inputs)]
+        if all(e is None for e in found):
+            return inputs, None
+        return ([t if e is None else e[1] for e, t in zip(found, inputs)],
+                [None if e is None else e[2] for e in found])
 
     def close(self) -> None:
         self.backward = self.slices = self.hooked = None

@@ -119,7 +119,6 @@ class Invokes(InPlace):
     def run_rest(self) -> None:
         trace = self.trace
         invokes = trace.invokes
-        frame = invokes[0].frame
         args, kwargs = self._join(invokes)
         scheduler = greenlet.getcurrent()
         bodies = [Body(self, rows=inv.rows, index=i, scheduler=scheduler)
@@ -128,8 +127,8 @@ class Invokes(InPlace):
             self.session_type = InOrderSession  # rows overlap: bodies served one by one
         self.forward = self.open_session(bodies, args, kwargs)
         self.forward.slices = self.slices
-        names = InvokeNames([inv.space for inv in invokes],
-                            [name for inv in invokes for name in inv.names])
+        names = InvokeNames([inv.space for inv in invokes], [inv.names for inv in invokes],
+                            [inv.frame for inv in invokes])
         for inv in invokes:
             inv.space = None  # the bodies hold them now, and nothing after them
         runners = names.runners(bodies, [inv.code for inv in invokes], BODIES)
@@ -148,8 +147,12 @@ class Invokes(InPlace):
                 body.requests = None
         saved = {id(entry[0]) for body in bodies for entry in body.saves}
         trace.body.saves.extend(v for body in bodies for v in body.saves)
-        capture.write_back(frame, {name: value if id(value) in saved else capture.NotSaved(name)
-                                   for name, value in names.bound_values().items()})
+        live = _frames_on_stack()
+        for frame, values in names.bound_values():
+            if id(frame) in live:  # (a helper that opened invokes and has returned: no one)
+                capture.write_back(frame, {name: value if id(value) in saved
+                                           else capture.NotSaved(name)
+                                           for name, value in values.items()})
 
     def _join(self, invokes: list[Invoke]) -> tuple[tuple, dict]:
         """The batch's (args, kwargs); sets each invoke's rows and inputs. An empty invoke
@@ -373,6 +376,14 @@ def _check_rows_kept(kwargs: dict, module) -> None:
                 f"model.generate(..., {name}={n}) with invokes: generate runs {n} rows per "
                 f"input row, so an invoke's rows of its values are not its inputs' rows. Pass "
                 f"the batch to model.generate(inputs, {name}={n}) without invokes.")
+
+
+def _frames_on_stack() -> set:
+    frame, found = sys._getframe(1), set()
+    while frame is not None:
+        found.add(id(frame))
+        frame = frame.f_back
+    return found
 
 
 def _wait(body: Body, key) -> None:

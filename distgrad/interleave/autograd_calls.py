@@ -28,6 +28,8 @@ _lock = threading.Lock()
 _depth = 0       # traces serving their bodies now (each thread's, nested ones)
 _replaced = {}   # name -> the function torch.autograd had before
 _at_import = {"backward": torch.autograd.backward, "grad": torch.autograd.grad}
+# how each takes its arguments (inspect follows a wrapper's __wrapped__ to torch's own)
+_SIGNATURES = {name: inspect.signature(fn) for name, fn in _at_import.items()}
 
 
 @contextlib.contextmanager
@@ -68,7 +70,7 @@ def _backward(*args, **kwargs):
     body = _body()
     if body is None:
         return real(*args, **kwargs)
-    bound = inspect.signature(real).bind(*args, **kwargs)
+    bound = _SIGNATURES["backward"].bind(*args, **kwargs)
     body.requests.plain_backward(body, bound.arguments.get("tensors"))
     inputs = bound.arguments.get("inputs")
     if inputs is not None:
@@ -87,7 +89,7 @@ def _grad(*args, **kwargs):
     body = _body()
     if body is None:
         return real(*args, **kwargs)
-    bound = inspect.signature(real).bind(*args, **kwargs)
+    bound = _SIGNATURES["grad"].bind(*args, **kwargs)
     body.requests.plain_backward(body, bound.arguments["outputs"])
     inputs = bound.arguments["inputs"]
     keys = list(inputs) if isinstance(inputs, dict) else None

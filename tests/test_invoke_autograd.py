@@ -150,3 +150,22 @@ def test_torch_autograd_is_put_back(mlp):
         g = distgrad.save(torch.autograd.grad(model.output.sum(), h)[0])
     assert torch.autograd.backward is backward and torch.autograd.grad is grad
     _close(g, _plain(mlp, xs[0])[1])
+
+
+def test_retained_grad_reset_between_backwards(mlp):
+    """h.grad = None between two plain backwards in a body: the second starts from nothing,
+    as in PyTorch (it added the first backward's rows again)."""
+    model = distgrad.wrap(mlp)
+    xs = _xs()
+    with model.trace() as tr:
+        with tr.invoke(xs[0]):
+            h0 = model[0].output.save()
+            h0.retain_grad()
+            loss = model.output.sum()
+            loss.backward(retain_graph=True)
+            h0.grad = None
+            torch.autograd.backward(loss, retain_graph=True)
+        with tr.invoke(xs[1]):
+            pass
+    _close(h0.grad, _plain(mlp, xs[0])[1])
+    mlp.zero_grad(set_to_none=True)

@@ -350,8 +350,10 @@ class _RowsOfGrad:
         if view is not None:
             rows = grad[self.rows]
             # Set, not added to view.grad: the slice's own retain_grad hook has already put
-            # there what the body computed from it, which these rows include.
-            total = rows.clone() if self.before is None else self.before + rows
+            # there what the body computed from it, which these rows include. A .grad set to
+            # None since (h.grad = None between two backwards) starts again from nothing.
+            before = self.before if view.grad is not None else None
+            total = rows.clone() if before is None else before + rows
             view.grad = self.before = total
 
 

@@ -179,3 +179,32 @@ def test_retain_grad_with_plain_backward_beside_a_backward_block(mlp):
     torch.testing.assert_close(g0, ref0, atol=ATOL, rtol=0)
     torch.testing.assert_close(h1.grad, ref1, atol=ATOL, rtol=0)
     _same_grads(got, {n: params0[n] + params1[n] for n in params0})
+
+
+def test_bodies_written_in_different_functions_share_no_names(mlp):
+    """A name bound in an invoke body opened by one helper is that helper's local: another
+    helper's body reads its own scope (here the module's global ``_LABEL``), as plain Python
+    would, and the caller's frame gets neither helper's names."""
+    model = distgrad.wrap(mlp)
+    xs = _xs(2)
+    seen = {}
+
+    def binds(tr):
+        with tr.invoke(xs[0]):
+            _LABEL = model[0].output.sum()  # noqa: F841 (a local of binds)
+
+    def reads(tr):
+        with tr.invoke(xs[1]):
+            seen["h"] = model[2].output.save()  # after the other body has bound its name
+            seen["label"] = _LABEL
+
+    with model.trace() as tr:
+        binds(tr)
+        reads(tr)
+    assert seen["label"] == "module global"
+    assert "_LABEL" not in locals()
+    with torch.no_grad():
+        torch.testing.assert_close(seen["h"], mlp[:3](xs[1]), atol=ATOL, rtol=0)
+
+
+_LABEL = "module global"

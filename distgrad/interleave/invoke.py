@@ -24,7 +24,7 @@ import torch
 
 from .. import capture
 from ..errors import GradientError, TraceStateError, TraceUsageError
-from . import batching
+from . import autograd_calls, batching
 from .gradients import backward_threaded, grad_passed
 from .in_order import InOrderSession
 from .in_place import InPlace
@@ -119,7 +119,6 @@ class Invokes(InPlace):
     def run_rest(self) -> None:
         trace = self.trace
         invokes = trace.invokes
-        frame = invokes[0].frame
         args, kwargs = self._join(invokes)
         scheduler = greenlet.getcurrent()
         bodies = [Body(self, rows=inv.rows, index=i, scheduler=scheduler)
@@ -128,13 +127,14 @@ class Invokes(InPlace):
             self.session_type = InOrderSession  # rows overlap: bodies served one by one
         self.forward = self.open_session(bodies, args, kwargs)
         self.forward.slices = self.slices
-        names = InvokeNames([inv.space for inv in invokes],
-                            [name for inv in invokes for name in inv.names])
+        names = InvokeNames([inv.space for inv in invokes], [inv.names for inv in invokes],
+                            [inv.frame for inv in invokes])
         for inv in invokes:
             inv.space = None  # the bodies hold them now, and nothing after them
         runners = names.runners(bodies, [inv.code for inv in invokes], BODIES)
         try:
-            self._schedule(bodies, runners)
+            with autograd_calls.serving():  # torch.autograd's functions called in the bodies
+                self._schedule(bodies, runners)
         finally:
             runners.close()
             if self.backward is not None:
@@ -147,8 +147,12 @@ class Invokes(InPlace):
                 body.requests = None
         saved = {id(entry[0]) for body in bodies for entry in body.saves}
         trace.body.saves.extend(v for body in bodies for v in body.saves)
-        capture.write_back(frame, {name: value if id(value) in saved else capture.NotSaved(name)
-                                   for name, value in names.bound_values().items()})
+        live = _frames_on_stack()
+        for frame, values in names.bound_values():
+            if id(frame) in live:  # (a helper that opened invokes and has returned: no one)
+                capture.write_back(frame, {name: value if id(value) in saved
+                                           else capture.NotSaved(name)
+                                           for name, value in values.items()})
 
     def _join(self, invokes: list[Invoke]) -> tuple[tuple, dict]:
         """The batch's (args, kwargs); sets each invoke's rows and inputs. An empty invoke
@@ -277,6 +281,17 @@ class Invokes(InPlace):
         the batch's graph, so the body's rows that retain their gradient are hooked up first."""
         fill_retained_grads(self.slices, self.hooked)
 
+    def grad_inputs(self, body, inputs: list) -> tuple[list, list | None]:
+        """``torch.autograd.grad(loss, h)`` in a body, ``h`` its rows of a value: the graph goes
+        on from the batch's tensor, so that is differentiated, and its rows are ``h``'s."""
+        slices = self.slices
+        found = [slices.get(id(t)) for t in inputs]
+        found = [e if e is not None and e[0] is t else None for e, t in zip(found, inputs)]
+        if all(e is None for e in found):
+            return inputs, None
+        return ([t if e is None else e[1] for e, t in zip(found, inputs)],
+                [None if e is None else e[2] for e in found])
+
     def close(self) -> None:
         self.backward = self.slices = self.hooked = None
         self.round = []
@@ -335,8 +350,10 @@ class _RowsOfGrad:
         if view is not None:
             rows = grad[self.rows]
             # Set, not added to view.grad: the slice's own retain_grad hook has already put
-            # there what the body computed from it, which these rows include.
-            total = rows.clone() if self.before is None else self.before + rows
+            # there what the body computed from it, which these rows include. A .grad set to
+            # None since (h.grad = None between two backwards) starts again from nothing.
+            before = self.before if view.grad is not None else None
+            total = rows.clone() if before is None else before + rows
             view.grad = self.before = total
 
 
@@ -361,6 +378,14 @@ def _check_rows_kept(kwargs: dict, module) -> None:
                 f"model.generate(..., {name}={n}) with invokes: generate runs {n} rows per "
                 f"input row, so an invoke's rows of its values are not its inputs' rows. Pass "
                 f"the batch to model.generate(inputs, {name}={n}) without invokes.")
+
+
+def _frames_on_stack() -> set:
+    frame, found = sys._getframe(1), set()
+    while frame is not None:
+        found.add(id(frame))
+        frame = frame.f_back
+    return found
 
 
 def _wait(body: Body, key) -> None:

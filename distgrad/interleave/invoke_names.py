@@ -33,23 +33,36 @@ def namespace(frame) -> dict:
 
 class InvokeNames:
     """The namespaces of one trace's invoke bodies. ``spaces``: one per body, in invoke order,
-    each taken when its invoke's block was skipped (``Invoke.__exit__``); ``shared``: every name some body binds."""
+    each taken when its invoke's block was skipped (``Invoke.__exit__``); ``names``: per body,
+    the names it binds; ``frames``: per body, the frame its invoke is written in. Bodies written
+    in one frame share the names they bind; bodies written in different functions (a helper
+    that opens an invoke) share none, as the functions' own locals would not."""
 
-    def __init__(self, spaces: list[dict], shared):
+    def __init__(self, spaces: list[dict], names: list[list[str]], frames: list):
         self.spaces = spaces
-        self.shared = tuple(dict.fromkeys(shared))
-        self.bound: dict = {}  # shared name -> what a body bound it to last (_UNBOUND: deleted)
+        self.frames = {id(f): f for f in frames}
+        self.group = [id(f) for f in frames]  # per body: its frame's key
+        shared: dict = {key: {} for key in self.frames}
+        for key, bound in zip(self.group, names):
+            shared[key].update(dict.fromkeys(bound))
+        self.shared = {key: tuple(bound) for key, bound in shared.items()}
+        # per frame: shared name -> what a body bound it to last (_UNBOUND: deleted)
+        self.bound: dict = {key: {} for key in self.frames}
 
     def runners(self, bodies: list, codes: list, registry: dict) -> "NamedRunners":
         """Greenlets that run ``codes[i]`` as ``bodies[i]``, each in its own namespace."""
         functions = {body: (lambda code=code, space=space: exec(code, space))
                      for body, code, space in zip(bodies, codes, self.spaces)}
-        spaces = {id(body): space for body, space in zip(bodies, self.spaces)}
+        spaces = {id(body): (space, key)
+                  for body, space, key in zip(bodies, self.spaces, self.group)}
         return NamedRunners(functions, registry, self, spaces)
 
-    def bound_values(self) -> dict:
-        """The shared names the bodies left bound, as the caller's frame should get them."""
-        return {name: value for name, value in self.bound.items() if value is not _UNBOUND}
+    def bound_values(self) -> list[tuple]:
+        """``(frame, names)`` for each frame invokes were written in: the shared names its
+        bodies left bound, as that frame should get them."""
+        return [(frame, {name: value for name, value in self.bound[key].items()
+                         if value is not _UNBOUND})
+                for key, frame in self.frames.items()]
 
 
 class NamedRunners(BodyRunners):
@@ -58,17 +71,17 @@ class NamedRunners(BodyRunners):
     def __init__(self, bodies: dict, registry: dict, names: InvokeNames, spaces: dict):
         super().__init__(bodies, registry)
         self.names = names
-        self.spaces = spaces  # id(body) -> its namespace
+        self.spaces = spaces  # id(body) -> (its namespace, its frame's key)
 
     def wake(self, body) -> None:
-        space = self.spaces[id(body)]
-        bound = self.names.bound
+        space, key = self.spaces[id(body)]
+        bound = self.names.bound[key]
         for name, value in bound.items():
             if value is _UNBOUND:
                 space.pop(name, None)
             else:
                 space[name] = value
-        shared = self.names.shared
+        shared = self.names.shared[key]
         before = [space.get(name, _UNBOUND) for name in shared]
         try:
             super().wake(body)

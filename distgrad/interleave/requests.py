@@ -45,6 +45,10 @@ class Requests:
       it or None.
     * ``plain_backward(body, tensor)``: ``tensor.backward()`` is called in the body as a
       plain call, not a block; it runs right after this returns (PyTorch's own backward).
+      ``torch.autograd.backward`` and ``torch.autograd.grad`` in an invoke body call it too.
+    * ``grad_inputs(body, inputs)``: ``torch.autograd.grad(..., inputs)`` in the body: the
+      tensors to differentiate instead, and for each result the rows that are the body's
+      (``(inputs, None)``: differentiate ``inputs`` themselves).
     * ``loss(body)``: ``tr.loss``, the microbatch's loss under a pipeline schedule.
     * ``result(body)``: ``tracer.result``, what ``generate()`` returned, once it has returned.
     * ``run_rest()``: the body has ended; run what is left of the trace.
@@ -79,6 +83,9 @@ class Requests:
 
     def plain_backward(self, body, tensor) -> None:
         return None
+
+    def grad_inputs(self, body, inputs: list) -> tuple[list, list | None]:
+        return inputs, None
 
     def loss(self, body):
         raise TraceStateError("tracer.loss exists only in a pipeline trace; elsewhere compute "

@@ -344,3 +344,37 @@ def test_blocks_of_one_round_must_agree_on_arguments(mlp):
             with tr.invoke(torch.randn(2, 8)):
                 with model.output.sum().backward(create_graph=True):
                     pass
+
+
+def test_invokes_blocks_with_gradient_arguments(mlp, backward_mode):
+    """Blocks given ``gradient=`` (positionally or by keyword), several in one round, and a
+    second round of one: each body's gradient at the hidden layer and the parameter gradients
+    are plain autograd's, the backward running through the engine's as every block's does."""
+    x1, x2 = torch.randn(2, 8, generator=torch.Generator().manual_seed(0)), \
+        torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    g1, g2, g3 = torch.randn(2, 4), torch.randn(3, 4), torch.randn(2, 4)
+    model = distgrad.wrap(mlp)
+    with model.trace() as tr:
+        with tr.invoke(x1):
+            h = model[1].output
+            out = model.output
+            with out.backward(g1, retain_graph=True):
+                a1 = h.grad.save()
+            with out.backward(gradient=g3):
+                a2 = h.grad.save()
+        with tr.invoke(x2):
+            k = model[1].output
+            with model.output.backward(gradient=g2):
+                b1 = k.grad.save()
+    got = {n: p.grad.clone() for n, p in mlp.named_parameters()}
+    mlp.zero_grad(set_to_none=True)
+    hidden = mlp[1](mlp[0](torch.cat([x1, x2])))
+    out = mlp[4](mlp[3](mlp[2](hidden)))
+    first = torch.autograd.grad(out, hidden, torch.cat([g1, g2]), retain_graph=True)[0]
+    second = torch.autograd.grad(out[:2], hidden, g3, retain_graph=True)[0]
+    torch.testing.assert_close(a1, first[:2], atol=ATOL, rtol=0)
+    torch.testing.assert_close(b1, first[2:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(a2, second[:2], atol=ATOL, rtol=0)
+    torch.autograd.backward([out, out[:2]], [torch.cat([g1, g2]), g3])
+    for name, p in mlp.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, atol=1e-5, rtol=0, msg=name)

@@ -236,12 +236,17 @@ class Invokes(InPlace):
         kwargs = round_kwargs(starting)
 
         def run():
-            if all(not b.args for b in blocks):
-                total = sum(b.tensor for b in blocks[1:]) + blocks[0].tensor if len(blocks) > 1 \
-                    else blocks[0].tensor
-                return first.backend.backward(total, first.fn, (), kwargs)
-            grads = [b.args[0] if b.args else None for b in blocks]
-            return torch.autograd.backward([b.tensor for b in blocks], grads, **kwargs)
+            # always through the engine's backward (DDP's check, accelerate's and DeepSpeed's
+            # own backward). Several blocks run as one scalar: a block's loss, or for a block
+            # given `gradient=g`, (tensor * g).sum(), whose backward hands each tensor exactly
+            # g, as autograd.backward([tensor], [g]) would.
+            if len(blocks) == 1:
+                return first.backend.backward(first.tensor, first.fn, first.args,
+                                              {**first.kwargs, **kwargs})
+            given = [b.args[0] if b.args else b.kwargs.get("gradient") for b in blocks]
+            parts = [b.tensor if g is None else (b.tensor * g).sum()
+                     for b, g in zip(blocks, given)]
+            return first.backend.backward(sum(parts[1:]) + parts[0], first.fn, (), kwargs)
 
         fill_retained_grads(self.slices, self.hooked)  # (slices a round added, too)
         self.round = blocks
@@ -303,7 +308,9 @@ def round_kwargs(starting: list[Body]) -> dict:
     graph is one, so it is kept when any block asks (a block that did not ask sees the same
     numbers, and its body's next block, if any, finds the graph that another body kept)."""
     blocks = [b.block for b in starting]
-    rest = [{k: v for k, v in b.kwargs.items() if k != "retain_graph"} for b in blocks]
+    # each block's own gradient= is its own (see _backward_session's run)
+    rest = [{k: v for k, v in b.kwargs.items() if k not in ("retain_graph", "gradient")}
+            for b in blocks]
     for body, block, other in zip(starting, blocks, rest):
         if other != rest[0]:
             raise TraceStateError(

@@ -17,7 +17,7 @@ JOB = str(Path(__file__).parent / "dist" / "job.py")
 CASES = ["case_wrapper_names", "case_generate_result", "case_read_edit", "case_saves", "case_steady_saves", "case_gather_memory", "case_uneven", "case_watch_only_in_traces",
          "case_param_write",
          "case_rank_dependent_save", "case_different_values_saved", "case_no_cycles", "case_param_grad_save",
-         "case_flow",
+         "case_flow", "case_invokes",
          "case_failure"]
 WORLD = 2
 # one engine's own cases (job.py's ENGINE_CASES), run by its "all" job before case_failure

@@ -24,56 +24,11 @@ from distgrad.demo.ranks import start_process_group, wrap_with_engine
 from dp_leaks import check_no_cycles  # noqa: E402
 from ddp_backwards import CASES as DDP_BACKWARDS  # noqa: E402
 from flow_job import case_flow_refuses_flat_params, case_norms_match_raw_hooks, clear_grads  # noqa: E402
+from gpt2_oracle import PARAMS, SCALE, global_ids, oracle, param_envoy, rows_of  # noqa: E402
+from invoke_cases import case_invokes  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 torch.set_num_threads(1)
-# Losses are logits.sum() * SCALE: gradients of order 1, so that atol 1e-5 (cases.ATOL) is a fair test of
-# fp32 numbers summed in a different order (an all-reduce) rather than of their magnitude.
-SCALE = 1e-3
-
-
-def global_ids(n_rows: int):
-    g = torch.Generator().manual_seed(123)
-    return torch.randint(0, 384, (n_rows, 8), generator=g)
-
-
-def rows_of(rank: int, sizes: list[int]) -> slice:
-    start = sum(sizes[:rank])
-    return slice(start, start + sizes[rank])
-
-
-def oracle(ids, edit: float = 1.0):
-    """Plain autograd on one process: h[0]'s output and gradient, h[1]'s output, param grads."""
-    net = build_gpt2()
-    seen = {}
-
-    def on_output(mod, args, out):
-        seen["h0"] = out.detach().clone()
-
-        def on_grad(g):
-            seen["g0"] = g.detach().clone()
-            return g * edit
-        out.register_hook(on_grad)
-
-    net.transformer.h[0].register_forward_hook(on_output)
-    net.transformer.h[1].register_forward_hook(lambda m, a, o: seen.__setitem__("h1", o.detach().clone()))
-    out = net(ids)
-    (out.logits.sum() * SCALE).backward()
-    seen["params"] = {n: p.grad.clone() for n, p in net.named_parameters()}
-    seen["losses"] = out.logits.detach()
-    return seen
-
-
-PARAMS = ["transformer.h.0.mlp.c_fc.weight", "transformer.h.1.attn.c_attn.bias",
-          "transformer.wpe.weight"]
-
-
-def param_envoy(model, name):
-    obj = model
-    for part in name.split("."):
-        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return obj
-
 
 def case_read_edit(model, wrapped, rank, world):
     sizes = [2] * world
@@ -512,7 +467,7 @@ def case_flow(model, wrapped, rank, world):
 
 
 CASES = {"all": [case_wrapper_names, case_generate_result, case_read_edit, case_saves, case_steady_saves, case_gather_memory, case_uneven, case_watch_only_in_traces, case_param_write,
-                 case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_param_grad_save, case_flow, case_failure],
+                 case_rank_dependent_save, case_different_values_saved, case_no_cycles, case_param_grad_save, case_flow, case_invokes, case_failure],
          "flow": [case_flow],
          "fails_on_rank1": [case_fails_on_rank1, case_saves],
          "gather_memory": [case_gather_memory],

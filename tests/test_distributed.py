@@ -21,7 +21,8 @@ CASES = ["case_wrapper_names", "case_generate_result", "case_read_edit", "case_s
          "case_failure"]
 WORLD = 2
 # one engine's own cases (job.py's ENGINE_CASES), run by its "all" job before case_failure
-DDP_BACKWARDS = ["case_two_backward_blocks_in_no_sync", "case_two_backward_blocks_refused"]
+DDP_BACKWARDS = ["case_two_backward_blocks_in_no_sync", "case_two_backward_blocks_refused",
+                 "case_plain_backward_then_block_refused"]
 ENGINE_CASES = {"ddp": DDP_BACKWARDS, "accelerate": DDP_BACKWARDS,
                 "fsdp1": ["case_flow_refuses_flat_params"]}
 

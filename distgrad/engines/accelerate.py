@@ -55,6 +55,9 @@ class AccelerateEngine(Engine):
     def forward(self, args, kwargs):
         return self.inner.forward(args, kwargs)
 
+    def plain_backward(self) -> None:
+        self.inner.plain_backward()
+
     def unwrap(self, module):
         return self.inner.unwrap(module)
 

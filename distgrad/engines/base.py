@@ -78,6 +78,11 @@ class Engine:
         accelerate runs ``accelerator.backward`` instead."""
         return fn(tensor, *args, **kwargs)
 
+    def plain_backward(self) -> None:
+        """A plain ``tensor.backward()`` (not a ``with`` block) is about to run in a trace's
+        body, outside ``backward``: an engine that counts the backwards over one forward hears
+        of it (DDP, ddp.py). The core calls it from the body's requests. Default: nothing."""
+
     def owns(self, module: torch.nn.Module) -> bool:
         """Whether this process runs ``module``. Not called by the core: pipeline engines answer
         it per stage (their requests ask it), and engines that wrap another pass it on.

@@ -43,13 +43,16 @@ class DDPEngine(DistributedEngine):
         self.before_backward()
         return super().backward(tensor, fn, args, kwargs)
 
+    def plain_backward(self) -> None:
+        self.before_backward()  # (a plain backward reduces, or not, as a block's does)
+
     def before_backward(self) -> None:
         """Before a backward block's backward (accelerate's too): raise where DDP would not
         reduce its gradients. Every rank runs the same blocks, so every rank raises."""
         self.backwards += 1
         if self.reducing and self.backwards > 1:
             raise NotImplementedError(
-                f"a backward block after {self.backwards - 1} other(s) over the same forward under "
+                f"a backward after {self.backwards - 1} other(s) over the same forward under "
                 f"DistributedDataParallel: DDP reduces the gradients of the first backward after "
                 f"a forward only, so this one's would stay this rank's own, unaveraged. Open one "
                 f"block on the sum of the losses (`with (loss1 + loss2).backward():`), or run "

@@ -36,6 +36,9 @@ class InPlace(Requests):
                 "under torch.no_grad(), so there is no graph. Use model.trace(...) for gradients.")
 
     # -- the forward ----------------------------------------------------------------------
+
+    def plain_backward(self, body, tensor) -> None:
+        self.engine.plain_backward()  # (DDP counts the backwards over one forward)
     def forward_session(self) -> Session:
         if self.forward is None:
             trace = self.trace

@@ -284,6 +284,7 @@ class Invokes(InPlace):
     def plain_backward(self, body, tensor) -> None:
         """``loss.backward()`` as a plain call in a body: PyTorch's backward runs at once, over
         the batch's graph, so the body's rows that retain their gradient are hooked up first."""
+        super().plain_backward(body, tensor)
         fill_retained_grads(self.slices, self.hooked)
 
     def grad_inputs(self, body, inputs: list) -> tuple[list, list | None]:

@@ -103,4 +103,22 @@ def case_two_backward_blocks_refused(model, wrapped, rank, world):
     clear_grads(wrapped)
 
 
-CASES = [case_two_backward_blocks_in_no_sync, case_two_backward_blocks_refused]
+def case_plain_backward_then_block_refused(model, wrapped, rank, world):
+    """A plain ``loss.backward()`` in the body is a backward too: the block after it raises on
+    every rank before its backward runs."""
+    ids = ids_for(world)
+
+    def run():
+        with model.trace(ids[2 * rank:2 * rank + 2]):
+            h0 = model.transformer.h[0].output
+            loss1, loss2 = losses(model.output.logits)
+            loss1.backward(retain_graph=True)
+            with loss2.backward():
+                h0.grad.save()
+
+    expect_error(run, NotImplementedError, "no_sync()")
+    clear_grads(wrapped)
+
+
+CASES = [case_two_backward_blocks_in_no_sync, case_two_backward_blocks_refused,
+         case_plain_backward_then_block_refused]

@@ -9,6 +9,7 @@ but those three: anything else would land on the module and change nothing.
 from __future__ import annotations
 
 import difflib
+import functools
 
 import greenlet
 import torch
@@ -86,6 +87,8 @@ class Envoy:
                 envoy = children[name] = self._forwarded(name, value)
                 self.__dict__[name] = envoy
                 return envoy
+            if getattr(value, "__self__", None) is module and callable(value):
+                return _envoy_for_self(value, module, self)  # model = model.to(device)
             return value
         names = list(submodules(module)) + [n for n, _ in module.named_parameters(recurse=False)]
         near = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
@@ -163,6 +166,17 @@ class Envoy:
             raise ValueError(f"{self._path}.call(i) needs an int i >= 0, got {i!r}.")
         return Envoy(self._module, f"{self._path}.call({i})", call=i, parent=self._parent,
                      engine=self._engine)
+
+    @property
+    def device(self) -> torch.device:
+        """The module's device: its own ``device`` attribute (transformers models have one),
+        else that of its first parameter or buffer, else the CPU (nnsight's envoys have it)."""
+        own = getattr(self._module, "device", None)
+        if isinstance(own, torch.device):
+            return own
+        first = next(self._module.parameters(), None)
+        first = first if first is not None else next(self._module.buffers(), None)
+        return first.device if first is not None else torch.device("cpu")
 
     @property
     def local(self) -> "Envoy":
@@ -267,3 +281,14 @@ def _first(args, kwargs, path):
         return next(iter(kwargs.values()))
     raise TraceStateError(f"{path}.input: this call has no arguments.")
 
+
+def _envoy_for_self(method, module: torch.nn.Module, envoy: "Envoy"):
+    """``method`` of ``module``, returning ``envoy`` where it returns the module itself
+    (``to``, ``cpu``, ``train``, ``requires_grad_``: ``model = model.to(dev)`` keeps the envoy,
+    as in nnsight)."""
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        out = method(*args, **kwargs)
+        return envoy if out is module else out
+
+    return call

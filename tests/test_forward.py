@@ -231,3 +231,18 @@ def test_generate_reads_forward_but_refuses_backward(gpt2, tokenizer):
             out = model.output.logits
             with out.sum().backward():
                 pass
+
+
+def test_methods_returning_the_module_return_the_envoy(mlp):
+    """``model = model.to(dev)`` keeps the wrapped model (as in nnsight); ``.device`` of a plain
+    module's envoy is its parameters'; other methods return what the module's return."""
+    model = distgrad.wrap(mlp)
+    assert model.to("cpu") is model and model.cpu() is model and model.train() is model
+    assert model[0].requires_grad_(True) is model[0]
+    assert model.device == torch.device("cpu") and model[1].device == torch.device("cpu")
+    assert model.state_dict().keys() == mlp.state_dict().keys()
+    x = torch.randn(2, 8)
+    model = model.to(torch.float32)
+    with model.trace(x):
+        out = model.output.save()
+    torch.testing.assert_close(out, mlp(x), atol=0, rtol=0)

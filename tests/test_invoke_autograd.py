@@ -169,3 +169,32 @@ def test_retained_grad_reset_between_backwards(mlp):
             pass
     _close(h0.grad, _plain(mlp, xs[0])[1])
     mlp.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_retained_grad_with_the_body_on_the_path(mlp, reset):
+    """The body's loss also uses h itself (h's own retain_grad adds its part before the rows
+    arrive): two backwards accumulate, or start again after h.grad = None, as in PyTorch."""
+    model = distgrad.wrap(mlp)
+    xs = _xs()
+    with model.trace() as tr:
+        with tr.invoke(xs[0]):
+            h = model[0].output.save()
+            h.retain_grad()
+            loss = model.output.sum() + h.pow(2).sum()
+            loss.backward(retain_graph=True)
+            if reset:
+                h.grad = None
+            loss.backward(retain_graph=True)
+        with tr.invoke(xs[1]):
+            pass
+    mlp.zero_grad(set_to_none=True)
+    p = mlp[0](xs[0])
+    p.retain_grad()
+    plain = mlp[1:](p).sum() + p.pow(2).sum()
+    plain.backward(retain_graph=True)
+    if reset:
+        p.grad = None
+    plain.backward()
+    _close(h.grad, p.grad)
+    mlp.zero_grad(set_to_none=True)

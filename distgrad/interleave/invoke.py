@@ -339,30 +339,41 @@ def fill_retained_grads(slices: dict, hooked: set) -> None:
     ``hooked``: the slices hooked up already, by an earlier backward of the trace."""
     for key, (view, full, rows) in slices.items():
         if key not in hooked and view.retains_grad and full.requires_grad:
-            full.register_hook(_RowsOfGrad(view, rows))
+            retained = _RowsOfGrad(view, rows)
+            view.register_hook(retained.before_own)
+            full.register_hook(retained)
             hooked.add(key)
 
 
 class _RowsOfGrad:
-    """The hook: writes ``grad[rows]`` into the slice's ``.grad``, accumulated over backwards
-    as retain_grad() does. It holds the slice weakly: the full tensor holds the hook, and the
-    slice holds the full tensor (its base)."""
+    """The hooks: the slice's ``.grad`` after a backward is what it held before that backward
+    plus the rows of the full gradient (which include what the body computed from the slice),
+    as retain_grad() accumulates. "Before" is read when the backward reaches the slice (a
+    tensor hook runs before the slice's own retain_grad hook adds its part) or, when the slice
+    is not on this backward's path, when it reaches the full tensor; so ``h.grad = None``
+    between two backwards starts from nothing. The slice is held weakly: the full tensor holds
+    the hook, and the slice holds the full tensor (its base)."""
 
     def __init__(self, view, rows: slice):
         self.view = weakref.ref(view)
         self.rows = rows
-        self.before = view.grad  # what the slice had accumulated before these backwards
+        self.held = _UNREAD  # the slice's .grad as this backward reached it
+
+    def before_own(self, grad) -> None:
+        view = self.view()
+        if view is not None:
+            self.held = view.grad
 
     def __call__(self, grad):
         view = self.view()
         if view is not None:
+            before = view.grad if self.held is _UNREAD else self.held
+            self.held = _UNREAD
             rows = grad[self.rows]
-            # Set, not added to view.grad: the slice's own retain_grad hook has already put
-            # there what the body computed from it, which these rows include. A .grad set to
-            # None since (h.grad = None between two backwards) starts again from nothing.
-            before = self.before if view.grad is not None else None
-            total = rows.clone() if before is None else before + rows
-            view.grad = self.before = total
+            view.grad = rows.clone() if before is None else before + rows
+
+
+_UNREAD = object()
 
 
 def _with_options(kwargs: dict, options: dict) -> dict:

@@ -87,7 +87,7 @@ class Envoy:
                 envoy = children[name] = self._forwarded(name, value)
                 self.__dict__[name] = envoy
                 return envoy
-            if getattr(value, "__self__", None) is module and callable(value):
+            if name in _RETURN_THE_MODULE and getattr(value, "__self__", None) is module:
                 return _envoy_for_self(value, module, self)  # model = model.to(device)
             return value
         names = list(submodules(module)) + [n for n, _ in module.named_parameters(recurse=False)]
@@ -280,6 +280,12 @@ def _first(args, kwargs, path):
     if kwargs:
         return next(iter(kwargs.values()))
     raise TraceStateError(f"{path}.input: this call has no arguments.")
+
+
+# nn.Module's methods that return the module itself (other methods are returned unchanged)
+_RETURN_THE_MODULE = frozenset({"to", "cpu", "cuda", "xpu", "mtia", "ipu", "half", "float",
+                                "double", "bfloat16", "type", "train", "eval", "requires_grad_",
+                                "apply", "share_memory", "to_empty"})
 
 
 def _envoy_for_self(method, module: torch.nn.Module, envoy: "Envoy"):

@@ -1,7 +1,7 @@
 """DeepSpeed's pipeline engine: the demo's 4-block MLP as a PipelineModule over the ranks (one
 stage each), one train_batch per trace. Usage: ds_pipe_job.py --microbatches M --out DIR
-[--cases {train_batch,rank_dependent}]; train_batch's group also runs case_flow
-(distgrad.flow over two train_batch steps).
+[--cases {train_batch,rank_dependent}] [--zero {0,1}]; train_batch's group also runs case_flow
+(distgrad.flow over two train_batch steps) and case_flow_refused_in_bf16.
 
 Oracle (pp_job.oracle): the unsplit model on one process with the same edits; DeepSpeed
 backpropagates each microbatch's loss / M, so the body's gradients equal the whole batch's, and
@@ -23,7 +23,7 @@ import distgrad  # noqa: E402
 import distgrad.flow  # noqa: E402
 from cases import close, expect_error, run_cases  # noqa: E402
 from distgrad.demo.models import build_mlp  # noqa: E402
-from flow_job import hooks_on  # noqa: E402
+from flow_job import expect_refusal, hooks_on  # noqa: E402
 from pp_job import batch, oracle  # noqa: E402
 
 LR = 0.1
@@ -161,12 +161,34 @@ def case_flow(model, net, engine, ctx):
                   f"{name} after the two steps")
 
 
+def case_flow_refused_in_bf16(model, net, engine, ctx):
+    """Under bf16 DeepSpeed's optimizer keeps the gradients in fp32 buffers of its own:
+    Recorder refuses on every rank, also where the layers named are all on stage 0 (rank 1
+    runs none of them and would otherwise go on to wait in step()'s collective), and leaves
+    nothing behind. (A fresh MLP: DeepSpeed casts the modules it is given to bf16.)"""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    fresh = build_mlp(8)
+    pipe = PipelineModule(layers=list(fresh.layers), num_stages=ctx["world"],
+                          loss_fn=nn.MSELoss(), partition_method="uniform")
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8 // ctx["m"],
+              "gradient_accumulation_steps": ctx["m"], "steps_per_print": 10 ** 6,
+              "bf16": {"enabled": True}}
+    bf16, *_ = deepspeed.initialize(model=pipe, config=config,
+                                    optimizer=torch.optim.SGD(pipe.parameters(), lr=LR))
+    wrapped = distgrad.wrap(bf16, full_model=fresh)
+    for layers in ("layers", ["layers.0"]):
+        expect_refusal(lambda: distgrad.flow.Recorder(wrapped, layers=layers), fresh, "bf16 True")
+    assert "_INSTRUCTION_MAP" not in bf16.__dict__
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--out", required=True)
     parser.add_argument("--backward-mode", default="auto", help="distgrad.config.backward_mode")
     parser.add_argument("--cases", default="train_batch", choices=["train_batch", "rank_dependent"])
+    parser.add_argument("--zero", type=int, default=0, help="zero_optimization stage (0 or 1)")
     args = parser.parse_args()
     distgrad.config.backward_mode = args.backward_mode
     import deepspeed
@@ -179,13 +201,14 @@ def main():
                           partition_method="uniform")
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8 // args.microbatches,
               "gradient_accumulation_steps": args.microbatches, "steps_per_print": 10 ** 6,
-              "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}}
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": args.zero},
+              "zero_allow_untested_optimizer": True}  # torch's SGD under ZeRO-1
     engine, *_ = deepspeed.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=LR),
                                       config=config)
     model = distgrad.wrap(engine, full_model=net)
     ctx = {"rank": rank, "world": world, "m": args.microbatches,
            "mine": list(range(pipe._local_start, pipe._local_stop))}
-    cases = {"train_batch": (case_train_batch, case_flow),
+    cases = {"train_batch": (case_train_batch, case_flow, case_flow_refused_in_bf16),
              "rank_dependent": (case_rank_dependent,)}[args.cases]
     run_cases(cases, args.out, rank, model, net, engine, ctx)
 

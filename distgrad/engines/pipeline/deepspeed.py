@@ -26,14 +26,16 @@ rank, values cross stages from their owner. Here:
 * **distgrad.flow**: ``Recorder`` takes each stage's parameter gradients at train_batch's
   optimizer-step instruction (reduced, before the step, before any clipping), on every rank,
   with no collective; ``flow.step()`` after the trace (or after a plain ``train_batch``) sends
-  them in its one collective. fp32 without ZeRO only: under fp16, bf16 or ZeRO the optimizer
-  keeps them in buffers of its own, and ``Recorder`` raises on every rank.
+  them in its one collective. fp32 only (ZeRO stage 0 or 1: ZeRO-1's flat partition holds each
+  parameter's gradient whole, there being no data parallelism): under fp16 or bf16 the
+  optimizer keeps them scaled or in buffers of its own, and ``Recorder`` raises on every rank.
 * **Paths**: ``PipelineModule`` names its layers by index; pass as ``full_model`` a module that
   holds the same layer objects under the paths you want (``nn.Sequential(*blocks)``). Layers given
   as ``LayerSpec`` are built on their own stage only, so build them yourself and pass instances.
 """
 from __future__ import annotations
 
+from ..deepspeed import local_grad
 from .engine import PipelineEngine
 
 
@@ -52,16 +54,26 @@ class DeepSpeedPipeEngine(PipelineEngine):
     def refuse_flow(self):
         ds = self.ds
         scaled = getattr(ds, "torch_autocast_z0_gradscaler", None) is not None
-        if ds.zero_optimization_stage() or ds.fp16_enabled() or ds.bfloat16_enabled() or scaled:
+        if ds.fp16_enabled() or ds.bfloat16_enabled() or scaled:
             raise NotImplementedError(
                 "distgrad.flow under DeepSpeed's pipeline engine records the parameter "
-                "gradients of fp32 training without ZeRO (each parameter's .grad); this engine "
-                f"runs with ZeRO stage {ds.zero_optimization_stage()}, fp16 "
+                "gradients of fp32 training (ZeRO stage 0 or 1); this engine runs with fp16 "
                 f"{ds.fp16_enabled()}, bf16 {ds.bfloat16_enabled()}, torch autocast's grad "
-                f"scaler {scaled}, whose optimizers keep the gradients in buffers of their own "
-                "(or scaled). Train in fp32 with zero_optimization stage 0 to record, use a "
-                "torch.distributed.pipelining schedule, or read the gradients in the trace's "
-                "backward block.")
+                f"scaler {scaled}, whose optimizers keep the gradients scaled or in buffers of "
+                "their own. Train in fp32 to record, use a torch.distributed.pipelining "
+                "schedule, or read the gradients in the trace's backward block.")
+
+    def grad_pieces(self, module):
+        # ZeRO-1 keeps the reduced gradient in its flat partition (p.grad is None); with one
+        # pipeline over the job (no data parallelism, see engine.py) that partition holds
+        # every parameter whole, on the one rank whose stage runs it
+        pieces = []
+        for param in module.parameters():
+            grad = local_grad(param)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                pieces.append((grad, 1))
+        return pieces
 
     def watch_param_grads(self, take):
         # train_batch reduces the gradients, steps the optimizer and clears them before it

@@ -114,6 +114,15 @@ class Engine:
         runs, so that every rank raises (a rank that went on would wait in ``step()``'s
         collective). Default: nothing."""
 
+    def watch_param_grads(self, take):
+        """Where the engine's own step uses up the parameter gradients before a ``Recorder``'s
+        ``step()`` can read them (DeepSpeed's pipeline engine steps the optimizer inside
+        ``train_batch``): arrange for ``take()`` to be called on this rank once per step,
+        after the gradients are reduced and before they are used, and return a function that
+        undoes it. ``take`` reads ``grad_pieces`` and makes no collective. Default: None (the
+        gradients outlive the step; ``Recorder.step()`` reads them itself)."""
+        return None
+
     def grad_pieces(self, module: torch.nn.Module) -> list:
         """The gradients of ``module``'s parameters this process holds after the backward, as
         ``(tensor, copies)``: ``copies`` is how many ranks of the job hold that same tensor, or

@@ -54,10 +54,12 @@ class Recorder:
     """Records, per step, the norm of the gradient reaching each layer's output (summed over the
     step's backward passes) and of each layer's parameter gradients, per rank and global.
 
-    ``step()`` closes a step with one all_gather of a small vector (5 x layers + 1 floats, and
+    ``step()`` closes a step with one all_gather of a small vector (5 x layers + 2 floats, and
     the local pieces of any Partial DTensor gradient) and appends it to ``run`` (a
     :class:`~distgrad.flow.FlowRun`) on every rank. Every rank must call it, after the step's
-    backward and before the gradients are zeroed (DeepSpeed: before ``engine.step()``). The
+    backward and before the gradients are zeroed (DeepSpeed: before ``engine.step()``; its
+    pipeline engine: after ``train_batch``, which hands the gradients over before its own
+    optimizer step). The
     hooks stay on the modules until ``close()`` (or the end of a ``with`` block over the
     recorder).
 
@@ -91,6 +93,14 @@ class Recorder:
                                     for p in engine.model.get_submodule(path).parameters())
         self.handles = [m.register_forward_hook(self.watcher(i))
                         for i, m in enumerate(self.modules) if m is not None]
+        # an engine whose own step uses up the parameter gradients (DeepSpeed's pipeline
+        # engine) hands them over before it, once per step: ``take`` keeps their squares here
+        self.taken, self.takes, self.unwatch = None, 0, None
+        try:
+            self.unwatch = engine.watch_param_grads(self.take)
+        except BaseException:
+            self.close()
+            raise
 
     def watcher(self, layer: int):
         def on_output(module, args, output):
@@ -109,6 +119,17 @@ class Recorder:
 
         return on_grad
 
+    def param_squares(self) -> list[Params]:
+        """This rank's parameter-gradient squares of each layer, as the gradients are now."""
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        return [Params([] if m is None else self.engine.grad_pieces(m), self.world, zero,
+                       index_of(m)) for m in self.modules]
+
+    def take(self) -> None:
+        """Called by the engine inside its step, where the gradients exist (no collective)."""
+        self.taken = self.param_squares()
+        self.takes += 1
+
     def step(self) -> dict:
         """End the step: gather every rank's squares (one collective) and record the norms.
         Returns the step's record (see :class:`FlowRun`)."""
@@ -118,8 +139,11 @@ class Recorder:
                   for a in self.acts]
         keys = [torch.tensor(a.key, device=self.device) for a in self.acts]
         self.acts = [Activation() for _ in self.paths]
-        params = [Params([] if m is None else self.engine.grad_pieces(m), self.world, zero,
-                         index_of(m)) for m in self.modules]
+        if self.unwatch is None:
+            params, took = self.param_squares(), 1
+        else:  # taken in the engine's step; none taken: zeros, and every rank raises below
+            params = self.taken or [Params([], self.world, zero) for _ in self.modules]
+            took, self.taken, self.takes = self.takes, None, 0
         if self.partial_possible and self.world > 1:
             check_partial_layout(partial_layout(params), self.world, self.device, self.paths)
         n = len(self.paths)
@@ -131,8 +155,8 @@ class Recorder:
                 entries.append((layer, start, piece.numel()))
                 start += piece.numel()
                 pieces.append(piece.to(self.device))
-        counter = torch.tensor(float(len(self.run.steps)), device=self.device)
-        vector = torch.cat([torch.stack(head)] + pieces + [counter[None]]).double()
+        tail = torch.tensor([float(took), float(len(self.run.steps))], device=self.device)
+        vector = torch.cat([torch.stack(head)] + pieces + [tail]).double()
         if self.world > 1:
             parts = [torch.empty_like(vector) for _ in range(self.world)]
             dist.all_gather(parts, vector)
@@ -142,6 +166,12 @@ class Recorder:
         if not torch.all(rows[:, -1] == rows[0, -1]):
             raise RuntimeError(f"distgrad.flow: the ranks are at different steps "
                                f"({rows[:, -1].long().tolist()}): every rank must call step() once per step")
+        if not torch.all(rows[:, -2] == 1):
+            raise RuntimeError(
+                f"distgrad.flow: step() reads the parameter gradients the engine handed over in "
+                f"its own optimizer step, which ran {rows[:, -2].long().tolist()} times (per "
+                f"rank) since the last step(): call step() once after each train_batch (each "
+                f"trace), on every rank.")
         check_copies(rows[:, :n], rows[:, 2 * n:3 * n], self.paths)
         param_global = rows[:, 4 * n:5 * n].sum(0) + partial_squares(rows, entries, n)
         return self.run.add(activation=rows[:, :n].sqrt().tolist(),
@@ -158,6 +188,9 @@ class Recorder:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        if self.unwatch is not None:
+            self.unwatch()
+            self.unwatch = None
 
     def __enter__(self) -> "Recorder":
         return self

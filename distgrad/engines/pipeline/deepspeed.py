@@ -23,12 +23,19 @@ rank, values cross stages from their owner. Here:
 * **Gradients**: the last stage backpropagates ``loss / gradient_accumulation_steps``, so the
   body sees gradients of the whole batch's mean loss (unlike torch's schedules, which scale
   parameter gradients afterwards).
+* **distgrad.flow**: ``Recorder`` takes each stage's parameter gradients at train_batch's
+  optimizer-step instruction (reduced, before the step, before any clipping), on every rank,
+  with no collective; ``flow.step()`` after the trace (or after a plain ``train_batch``) sends
+  them in its one collective. fp32 only (ZeRO stage 0 or 1: ZeRO-1's flat partition holds each
+  parameter's gradient whole, there being no data parallelism): under fp16 or bf16 the
+  optimizer keeps them scaled or in buffers of its own, and ``Recorder`` raises on every rank.
 * **Paths**: ``PipelineModule`` names its layers by index; pass as ``full_model`` a module that
   holds the same layer objects under the paths you want (``nn.Sequential(*blocks)``). Layers given
   as ``LayerSpec`` are built on their own stage only, so build them yourself and pass instances.
 """
 from __future__ import annotations
 
+from ..deepspeed import local_grad
 from .engine import PipelineEngine
 
 
@@ -40,17 +47,45 @@ class DeepSpeedPipeEngine(PipelineEngine):
     def __init__(self, engine, full_model):
         self.ds = engine
         self.stages = []
+        self.chunk_wraps = {}  # the trace's, while one runs
+        self.grad_takers = []  # distgrad.flow Recorders' (watch_param_grads)
         self._setup(full_model, [engine.module], [engine.stage_id], engine.num_stages)
 
     def refuse_flow(self):
-        raise NotImplementedError(
-            "distgrad.flow under DeepSpeed's pipeline engine: train_batch() steps the optimizer "
-            "and clears the gradients before it returns, so no step() can read the parameter "
-            "gradients. Use a torch.distributed.pipelining schedule (flow supports them), or "
-            "record without a Recorder: read the gradients in the trace's backward block.")
+        ds = self.ds
+        scaled = getattr(ds, "torch_autocast_z0_gradscaler", None) is not None
+        if ds.fp16_enabled() or ds.bfloat16_enabled() or scaled:
+            raise NotImplementedError(
+                "distgrad.flow under DeepSpeed's pipeline engine records the parameter "
+                "gradients of fp32 training (ZeRO stage 0 or 1); this engine runs with fp16 "
+                f"{ds.fp16_enabled()}, bf16 {ds.bfloat16_enabled()}, torch autocast's grad "
+                f"scaler {scaled}, whose optimizers keep the gradients scaled or in buffers of "
+                "their own. Train in fp32 to record, use a torch.distributed.pipelining "
+                "schedule, or read the gradients in the trace's backward block.")
 
     def grad_pieces(self, module):
-        self.refuse_flow()
+        # ZeRO-1 keeps the reduced gradient in its flat partition (p.grad is None); with one
+        # pipeline over the job (no data parallelism, see engine.py) that partition holds
+        # every parameter whole, on the one rank whose stage runs it
+        pieces = []
+        for param in module.parameters():
+            grad = local_grad(param)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                pieces.append((grad, 1))
+        return pieces
+
+    def watch_param_grads(self, take):
+        # train_batch reduces the gradients, steps the optimizer and clears them before it
+        # returns: take them at its OptimizerStep instruction, which every stage runs once
+        self.grad_takers.append(take)
+        self._install()
+
+        def unwatch():
+            if take in self.grad_takers:
+                self.grad_takers.remove(take)
+                self._install()
+        return unwatch
 
     def microbatches(self) -> int:
         return self.ds.micro_batches
@@ -70,11 +105,10 @@ class DeepSpeedPipeEngine(PipelineEngine):
 
     def instrument(self, on_chunk, on_loss):
         from deepspeed.runtime.pipe import schedule
-        ds = self.ds
-        table = type(ds)._INSTRUCTION_MAP
+        table = type(self.ds)._INSTRUCTION_MAP
         forward, backward = table[schedule.ForwardPass], table[schedule.BackwardPass]
         count = {"F": 0, "B": 0}
-        stage = ds.stage_id
+        stage = self.ds.stage_id
 
         def counted(phase, real):
             def run(engine, *args, **kwargs):
@@ -86,9 +120,31 @@ class DeepSpeedPipeEngine(PipelineEngine):
                     on_loss(microbatch, engine.loss)
             return run
 
-        ds._INSTRUCTION_MAP = {**table, schedule.ForwardPass: counted("F", forward),
-                               schedule.BackwardPass: counted("B", backward)}
+        self.chunk_wraps = {schedule.ForwardPass: counted("F", forward),
+                            schedule.BackwardPass: counted("B", backward)}
+        self._install()
 
         def restore():
-            ds.__dict__.pop("_INSTRUCTION_MAP", None)
+            self.chunk_wraps = {}
+            self._install()
         return restore
+
+    def _install(self):
+        """Put the trace's instruction wraps and the Recorder's gradient takers on the engine
+        (an instance attribute over the class's table), or take them all off."""
+        from deepspeed.runtime.pipe import schedule
+        ds = self.ds
+        table = dict(type(ds)._INSTRUCTION_MAP)
+        table.update(self.chunk_wraps)
+        if self.grad_takers:
+            step = table[schedule.OptimizerStep]
+
+            def take_then_step(engine, *args, **kwargs):
+                for take in list(self.grad_takers):
+                    take()
+                step(engine, *args, **kwargs)
+            table[schedule.OptimizerStep] = take_then_step
+        if self.chunk_wraps or self.grad_takers:
+            ds._INSTRUCTION_MAP = table
+        else:
+            ds.__dict__.pop("_INSTRUCTION_MAP", None)

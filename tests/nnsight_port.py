@@ -96,28 +96,5 @@ def hooked_run(net: nn.Module, inputs, modules: dict, edits: dict | None = None)
     return seen, out
 
 
-def grad_at(net: nn.Module, inputs, module: nn.Module, loss_fn, edit=None):
-    """The gradient reaching ``module``'s output for ``loss_fn(model output)``, and the parameter
-    gradients after replacing it by ``edit(grad)`` (plain tensor hooks). Leaves ``.grad`` clear."""
-    net.zero_grad(set_to_none=True)
-    seen = {}
-
-    def on_output(mod, args, out):
-        def on_grad(g):
-            seen["grad"] = g.detach().clone()
-            return edit(g) if edit is not None else None
-        out.register_hook(on_grad)
-
-    handle = module.register_forward_hook(on_output)
-    try:
-        out = net(**inputs) if isinstance(inputs, dict) else net(inputs)
-    finally:
-        handle.remove()
-    loss_fn(out).backward()
-    grads = {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
-    net.zero_grad(set_to_none=True)
-    return seen["grad"], grads
-
-
 def assert_close(got, expected, atol=ATOL):
     torch.testing.assert_close(got, expected, atol=atol, rtol=0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import distgrad
-from conftest import ATOL, PARAM_ATOL, param_grads
+from conftest import ATOL, PARAM_ATOL, param_grads, reference
 
 pytestmark = pytest.mark.usefixtures("backward_mode")
 
@@ -21,14 +21,8 @@ def _xs(n=2, rows=3):
 
 def _plain(mlp, x):
     """Plain autograd on ``x`` alone: the first layer's output, its gradient for
-    ``mlp(x).sum()`` and the parameter gradients. Leaves ``.grad`` clear."""
-    mlp.zero_grad(set_to_none=True)
-    h = mlp[0](x)
-    h.retain_grad()
-    mlp[1:](h).sum().backward()
-    grads = param_grads(mlp)
-    mlp.zero_grad(set_to_none=True)
-    return h.detach(), h.grad, grads
+    ``mlp(x).sum()`` and the parameter gradients (conftest.reference)."""
+    return reference(mlp, x, mlp[0])
 
 
 def _close(got, expected, atol=ATOL):

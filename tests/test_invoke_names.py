@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import distgrad
-from conftest import ATOL, PARAM_ATOL, param_grads
+from conftest import ATOL, PARAM_ATOL, param_grads, reference
 
 pytestmark = pytest.mark.usefixtures("backward_mode")
 
@@ -122,13 +122,7 @@ def test_names_at_enter_are_not_kept(mlp, fails):
 def _fc_grads(mlp, x):
     """Plain autograd: the gradient reaching the first layer's output for ``mlp(x).sum()``,
     and the parameter gradients."""
-    mlp.zero_grad(set_to_none=True)
-    h = mlp[0](x)
-    h.retain_grad()
-    mlp[1:](h).sum().backward()
-    grads = param_grads(mlp)
-    mlp.zero_grad(set_to_none=True)
-    return h.grad, grads
+    return reference(mlp, x, mlp[0])[1:]
 
 
 def _same_grads(got: dict, expected: dict) -> None:

@@ -105,6 +105,19 @@ def test_rank_dependent_param_grad(engine, tmp_path_factory):
         assert result.get("case_rank_dependent_param_grad") == "ok", f"{engine} rank {rank}:\n{result}"
 
 
+def test_a_collective_given_up_on_does_not_abort_the_exit(tmp_path_factory, monkeypatch):
+    """The case above on FSDP2, with rank 0's process ending while rank 1 is shutting down
+    (cases.end_inside_a_peers_shutdown): the end-of-trace gather rank 1 gave up on fails then,
+    on a gloo worker thread, and rank 1 still exits with 0 - not with "terminate called
+    without an active exception" (SIGABRT), as it did when that thread freed the gather's
+    tensors itself."""
+    monkeypatch.setenv("DISTGRAD_TEST_EXIT_RACE", "1")
+    procs, results = _job("fsdp2", "rank_dependent_param_grad", tmp_path_factory)
+    for rank, (proc, result) in enumerate(zip(procs, results)):
+        assert result.get("case_rank_dependent_param_grad") == "ok", f"rank {rank}:\n{result}"
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+
+
 def test_gather_memory_four_ranks(tmp_path_factory):
     """On 4 ranks as on 2: a rank other than 0 sends its own saved bytes and receives none of
     the gather="rank0" saves; rank 0 receives 4 ranks' bytes and the oracle's values."""

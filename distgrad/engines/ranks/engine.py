@@ -121,7 +121,7 @@ class DistributedEngine(Engine):
         the failure key after each slice, then calling ``after_slice``. (A timed wait on a
         collective closes nothing; on a gloo receive it would close the whole group: see
         ``../pipeline/messages.py``.) Leaving with the collective still pending keeps ``group``
-        for the life of the process (``keep_for_life``)."""
+        and ``work`` for the life of the process (``keep_for_life``)."""
         try:
             while True:
                 try:
@@ -134,7 +134,7 @@ class DistributedEngine(Engine):
                 after_slice()
         except BaseException:
             if not work.is_completed():
-                keep_for_life(group)
+                keep_for_life(group, work)
             raise
 
     def check_failure(self, ask_the_store: bool = True) -> None:
@@ -293,13 +293,22 @@ def _is_comm_error(error: BaseException) -> bool:
                                                 "Connection closed" in text or "Read error" in text)
 
 
-def keep_for_life(group) -> None:
-    """Never free ``group``: a collective this rank gave up on still blocks one of its worker
-    threads, until the peers' connections close - which, for a peer that waits for this rank,
-    happens only when this process has ended. A gloo group's destructor joins its workers, so
-    freeing the group (when the engine that holds it is collected, at the latest at exit) would
-    hang the process. One group per failure, in a job that has failed."""
+def keep_for_life(group, work) -> None:
+    """Never free ``group``, nor ``work``, a collective on it this rank gave up on.
+
+    The collective still blocks one of the group's worker threads until the peers' connections
+    close - which, for a peer that waits for this rank, happens only when that peer's process
+    ends, often while this one is ending too. A gloo group's destructor joins its workers, so
+    freeing the group (when the engine that holds it is collected, at the latest at exit)
+    would hang the process. And the worker that finally fails the collective drops its
+    reference to it: were that the last one, it would free the collective's tensors there, and
+    freeing a tensor that Python also holds takes the GIL - which, once the interpreter has
+    begun to shut down, ends the thread inside a destructor, and the process aborts
+    ("terminate called without an active exception"). Held here, the collective is freed by
+    no thread. What stays: one group and one collective's buffers per failure, in a job that
+    has failed."""
     never_free(group)
+    never_free(work)
 
 
 def _store():

@@ -34,10 +34,11 @@ from ...config import config
 from ...errors import RankFailedError
 from ...interleave.session import current_body
 from ...saving import LabelledSaves
-from ...torch_internals import default_store, never_free
+from ...torch_internals import default_store
 from ..base import Engine
 from .agreement import Agreement, asked, where
 from .gather import Exchange, refuse_model_state
+from .given_up import keep_for_life
 
 
 class DistributedEngine(Engine):
@@ -121,7 +122,7 @@ class DistributedEngine(Engine):
         the failure key after each slice, then calling ``after_slice``. (A timed wait on a
         collective closes nothing; on a gloo receive it would close the whole group: see
         ``../pipeline/messages.py``.) Leaving with the collective still pending keeps ``group``
-        and ``work`` for the life of the process (``keep_for_life``)."""
+        and ``work`` for the life of the process (``given_up.py``)."""
         try:
             while True:
                 try:
@@ -133,8 +134,7 @@ class DistributedEngine(Engine):
                 self.check_failure()
                 after_slice()
         except BaseException:
-            if not work.is_completed():
-                keep_for_life(group, work)
+            keep_for_life(group, [work])
             raise
 
     def check_failure(self, ask_the_store: bool = True) -> None:
@@ -291,24 +291,6 @@ def _is_comm_error(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, RuntimeError) and ("gloo" in text or "NCCL" in text or
                                                 "Connection closed" in text or "Read error" in text)
-
-
-def keep_for_life(group, work) -> None:
-    """Never free ``group``, nor ``work``, a collective on it this rank gave up on.
-
-    The collective still blocks one of the group's worker threads until the peers' connections
-    close - which, for a peer that waits for this rank, happens only when that peer's process
-    ends, often while this one is ending too. A gloo group's destructor joins its workers, so
-    freeing the group (when the engine that holds it is collected, at the latest at exit)
-    would hang the process. And the worker that finally fails the collective drops its
-    reference to it: were that the last one, it would free the collective's tensors there, and
-    freeing a tensor that Python also holds takes the GIL - which, once the interpreter has
-    begun to shut down, ends the thread inside a destructor, and the process aborts
-    ("terminate called without an active exception"). Held here, the collective is freed by
-    no thread. What stays: one group and one collective's buffers per failure, in a job that
-    has failed."""
-    never_free(group)
-    never_free(work)
 
 
 def _store():

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from ...config import config
 from ...saving import owned_tensors, saved_label
 from ...torch_internals import allgather_base, set_grad_enabled
+from .given_up import keep_for_life
 from .layout import Pack, Plan, round8, tensors_in, unpack_chunk
 
 # int64s: number of tensors, bytes of gather="rank0" saves, bytes of gather="all" saves,
@@ -104,6 +105,9 @@ class Exchange:
         self.small_bytes = 256 << 10
         self._small_buffers = None  # (key, buffers and views) of the last small gather
         self._root = dist.get_global_rank(group, 0)  # gather's dst: a global rank (torch < 2.6)
+        # the collectives this gather has started: where a wait gives up (a peer failed), those
+        # still pending are kept until the process ends (given_up.py)
+        self._started: list = []
 
     def __call__(self, saves: list) -> None:
         """Gather one trace's saves, ``(obj, mode, dim)`` in save order, and rebind each saved
@@ -115,7 +119,11 @@ class Exchange:
         try:
             for tensor, value in self._exchange(saves):
                 tensor.data = value
+        except BaseException:
+            keep_for_life(self.group, self._started)
+            raise
         finally:
+            self._started = []
             set_grad_enabled(grad)
 
     def _exchange(self, saves: list) -> list:
@@ -246,8 +254,7 @@ class Exchange:
                 if section == 1:
                     work = self._all_gather(rows.view(-1), send[start:end])
                 else:
-                    work = dist.gather(send[start:end], list(rows.unbind(0)) if keep else None,
-                                       dst=self._root, group=self.group, async_op=True)
+                    work = self._gather(send[start:end], rows)
                 self._wait(work, self.group)
                 if keep:
                     unpack_chunk(rows, start, end, segments)
@@ -287,8 +294,7 @@ class Exchange:
             if section == 1:
                 work = self._all_gather(rows.view(-1), send)
             else:
-                work = dist.gather(send, list(rows.unbind(0)) if keep else None,
-                                   dst=self._root, group=self.group, async_op=True)
+                work = self._gather(send, rows)
             started.append((section, work, rows))
         return started
 
@@ -304,8 +310,20 @@ class Exchange:
     def _all_gather(self, out: torch.Tensor, send: torch.Tensor):
         gather_flat = allgather_base(self.group)
         if gather_flat is not None:  # skips all_gather's Python checks
-            return gather_flat(out, send)
-        return _all_gather(out, send, self.group, async_op=True)
+            return self._track(gather_flat(out, send))
+        return self._track(_all_gather(out, send, self.group, async_op=True))
+
+    def _gather(self, send: torch.Tensor, rows):
+        """Rank 0's ``rows`` (None elsewhere) receive every rank's ``send``."""
+        return self._track(dist.gather(send, list(rows.unbind(0)) if rows is not None else None,
+                                       dst=self._root, group=self.group, async_op=True))
+
+    def _track(self, work):
+        """Hold ``work`` among the collectives started and not yet completed (those that
+        have completed are let go, with their buffers)."""
+        self._started = [w for w in self._started if not w.is_completed()]
+        self._started.append(work)
+        return work
 
     def _alloc(self, name: str, count: int, dtype, device) -> torch.Tensor:
         self.allocated[name] = self.allocated.get(name, 0) + count * dtype.itemsize

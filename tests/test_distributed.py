@@ -107,7 +107,7 @@ def test_rank_dependent_param_grad(engine, tmp_path_factory):
 
 def test_a_collective_given_up_on_does_not_abort_the_exit(tmp_path_factory, monkeypatch):
     """The case above on FSDP2, with rank 0's process ending while rank 1 is shutting down
-    (cases.end_inside_a_peers_shutdown): the end-of-trace gather rank 1 gave up on fails then,
+    (dist/exit_race.py): the end-of-trace gather rank 1 gave up on fails then,
     on a gloo worker thread, and rank 1 still exits with 0 - not with "terminate called
     without an active exception" (SIGABRT), as it did when that thread freed the gather's
     tensors itself."""

@@ -64,26 +64,6 @@ def expect_error(run, error, says: str, heard: bool = True) -> None:
         raise AssertionError(f"no {error.__name__}")
 
 
-def end_inside_a_peers_shutdown(out: str, rank: int, hold: float = 3.0) -> None:
-    """Make certain the race a gloo worker thread can lose while its process exits: rank 1,
-    at exit, holds the GIL in C (no bytecode, so no thread takes the GIL from it) for ``hold``
-    s and straight on into the interpreter's shutdown; rank 0 ends its process meanwhile, so
-    that a collective rank 1 gave up on fails on a worker thread that then wants the GIL. A
-    worker that frees a tensor Python holds there aborts the process (the fix: the collective
-    is never freed, ``keep_for_life``). Call before anything else registers at exit."""
-    import atexit
-    mark = os.path.join(out, "rank1-exiting")
-    if rank == 1:
-        atexit.register(sum, range(int(hold * 6e7)))  # runs last: about ``hold`` s of C
-        atexit.register(lambda: open(mark, "w").close())  # runs just before it
-    elif rank == 0:
-        def wait_for_rank1():
-            ends = time.monotonic() + 60
-            while not os.path.exists(mark) and time.monotonic() < ends:
-                time.sleep(0.05)
-        atexit.register(wait_for_rank1)
-
-
 RUNNING = "running: the rank never finished this case"
 # How long a rank whose case failed waits for every other rank to finish that case too. A rank
 # that has not finished by then is taken to be waiting for this one in a collective.

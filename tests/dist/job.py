@@ -8,17 +8,22 @@ after the engine's average over ranks (DDP and FSDP average: the oracle divides 
 """
 from __future__ import annotations
 
+import os
+import sys
+
+if os.environ.get("DISTGRAD_TEST_EXIT_RACE") == "1":  # before any import registers at exit
+    import exit_race  # noqa: E402  (tests/dist is the script's folder)
+    exit_race.arm(sys.argv[sys.argv.index("--out") + 1], int(os.environ["RANK"]))
+
 import argparse
 import logging
-import os
 import signal
-import sys
 
 import torch
 import torch.distributed as dist
 
 import distgrad
-from cases import close, end_inside_a_peers_shutdown, expect_error, expect_failure_of_rank1, run_cases  # noqa: E402  (tests/dist is the script's folder)
+from cases import close, expect_error, expect_failure_of_rank1, run_cases  # noqa: E402  (tests/dist is the script's folder)
 from distgrad.demo.models import build_gpt2
 from distgrad.demo.ranks import start_process_group, wrap_with_engine
 from dp_leaks import check_no_cycles  # noqa: E402
@@ -345,8 +350,6 @@ def main():
     args = parser.parse_args()
     distgrad.config.failure_timeout = 3.0
     os.environ["DISTGRAD_ENGINE"] = args.engine
-    if os.environ.get("DISTGRAD_TEST_EXIT_RACE") == "1":
-        end_inside_a_peers_shutdown(args.out, int(os.environ["RANK"]))
     start_process_group(args.engine)
     wrapped, options = wrap_with_engine(args.engine, build_gpt2(), lr=0.0)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -2,7 +2,7 @@
 adapters' gradients read in the body through the uniform parameter-gradient API, with and
 without an edit of an activation gradient, and (except under DeepSpeed, whose backward scales
 the loss itself) with a loss scaler (``backward(scaler=...)``). Started once per rank by
-tests/test_wrapped_models.py.
+tests/test_peft.py.
 
 The oracle is one process with plain autograd on the global batch (a tensor hook does the
 edit); every engine averages over ranks, so the oracle's gradients are divided by the world

@@ -16,7 +16,7 @@ import greenlet
 import torch
 
 from . import patches
-from .errors import TraceStateError, TraceUsageError
+from .errors import TraceUsageError
 from .interleave.session import BODIES, current_body
 from .torch_internals import view_base
 

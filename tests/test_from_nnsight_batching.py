@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import distgrad
-from nnsight_port import ATOL, ET, MSG, assert_close, encode, hooked_run, mlp
+from nnsight_port import ET, MSG, assert_close, encode, hooked_run, mlp
 
 P1 = "the cat sat"
 P2 = "a much longer prompt appears here"

@@ -5,7 +5,6 @@ again after the assignment, and ``.input``, each compared with the unsplit model
 of the job). ``ctx`` carries the job's ``batch()``, ``width`` and ``blocks``."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 import distgrad

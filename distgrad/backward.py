@@ -6,7 +6,7 @@ runs the real backward unchanged, inside a trace or not (in a body, the body's r
 it first: an invoke's rows of a value that retain their gradient are hooked up then). If
 another library replaced ``Tensor.backward`` before (nnsight does, for its own
 ``with loss.backward():``), every call outside a distgrad body is that library's. Inside the
-block the real backward runs as a coroutine of the body (``interleave/run.py``): ``t.grad``
+block the real backward runs as a coroutine of the body (``interleave/transports.py``): ``t.grad``
 stops it where the gradient of ``t`` is computed, and what the body puts there flows on
 upstream.
 """
@@ -24,7 +24,6 @@ from . import patches
 from .errors import TraceStateError
 from .interleave.gradients import backward_threaded, close_session, grad_stop
 from .interleave.requests import Requests
-from .interleave.scaling import unscale
 from .interleave.session import BODIES, Body, Session, current_body
 from .torch_internals import TENSOR_MODULE_FILE, scaled_by
 
@@ -86,9 +85,7 @@ class BackwardTracer:
         try:
             if self.scaler is not None:
                 self._scale_loss(body)
-            body.requests.open_backward(body, self)
-            if self.scale is not None:
-                unscale(self.session, self.scale)
+            body.requests.open_backward(body, self)  # its session shows gradients / self.scale
         except BaseException:
             self._leave()
             raise
@@ -248,7 +245,7 @@ class Outside(Requests):
 
     def open_backward(self, body, block) -> None:
         block.session = Session("backward", block.run, [body],
-                                threaded=backward_threaded(block.tensor))
+                                threaded=backward_threaded(block.tensor), scale=block.scale)
 
     grad = staticmethod(grad_stop)
 

@@ -15,7 +15,6 @@ import greenlet
 import torch
 
 from .errors import ModuleIndexError, TraceStateError, TraceUsageError
-from .interleave.paused import PAUSE_STOP, PAUSED
 from .interleave.session import BODIES, UNSET, current_body
 from .torch_internals import submodules
 from .wrappers import module_path
@@ -27,7 +26,7 @@ _Tensor = torch.Tensor
 class Envoy:
     """The envoy of one module; see the module text. Its fields start with an underscore so
     that every other name reaches the user's module (as in nnsight); the objects that serve
-    requests (``interleave/in_place.py``, ``fastpath/driver.py``, the pipeline's
+    requests (``interleave/in_place.py``, the pipeline's
     ``requests.py``) read them, and ``interleave.in_place.InPlace`` alone writes ``_kept``:
 
     * ``_module``: the module (an engine's per-module wrapper unwrapped); ``_path``: the path
@@ -210,7 +209,7 @@ class Envoy:
             value = stop.view
         if value.__class__ is _Tensor:
             body.labels[id(value)] = (value, self._path, ".output")
-        elif value is not PAUSED:  # PAUSED: a generator body waits (fastpath/driver.py)
+        else:
             body.remember(value, self._path, ".output")
         return value
 
@@ -237,8 +236,6 @@ class Envoy:
     def input(self):
         """The first positional argument (or, for a call with keywords only, the first keyword's value)."""
         body, stop = self._stop("input")
-        if stop is PAUSE_STOP:  # a generator body waits for the run (fastpath/driver.py)
-            return PAUSED
         args, kwargs = stop.replacement if stop.replacement is not UNSET else stop.view
         value = _first(args, kwargs, self._path)
         body.remember(value, self._path, ".input")

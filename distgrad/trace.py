@@ -1,7 +1,7 @@
 """The forward trace: ``with model.trace(inputs):`` and the object ``distgrad.wrap`` returns.
 
 The body runs in place, in the caller's own frame; the model's forward runs as a coroutine of it
-(``interleave/run.py``), advancing only as far as the body's next request. So a trace that asks
+(``interleave/transports.py``), advancing only as far as the body's next request. So a trace that asks
 for nothing is one plain forward, and every value the body sees is the real tensor of the run.
 """
 from __future__ import annotations
@@ -15,7 +15,6 @@ from . import capture, engines, patches, wrappers
 from .config import config
 from .envoy import Envoy
 from .errors import TraceStateError, TraceUsageError, drop_context, forget_frames
-from .fastpath import GeneratorDriver, plan_for
 from .interleave import batching
 from .interleave.in_place import InPlace
 from .interleave.invoke import Invoke, Invokes
@@ -117,7 +116,7 @@ class Trace:
         self.invokes: list = []
         self.body: Body | None = None
         self.requests = None   # what serves the body's requests while open (interleave/requests.py)
-        self.mode = None       # how the body ran: "in place", "generator", "invokes", ...
+        self.mode = None       # how the body ran: "in place", "invokes", "per microbatch", ...
         self.frame = None      # the caller's frame, while the trace runs a body lifted out of it
 
     # -- the with-block -------------------------------------------------------------------
@@ -140,15 +139,6 @@ class Trace:
             frame = sys._getframe(1)
             code, names, skip_from = capture.capture(frame, capture.PIPELINE_BODY)
             self.requests, self.frame = Captured(self, code, names, frame), frame
-        elif (self.engine.generator_bodies and self.engine.views is None
-              and _generator_bodies(self)):  # (views: values shown whole, the general path)
-            frame = sys._getframe(1)
-            plan = plan_for(frame)
-            if plan is not None and plan.allowed(frame.f_locals, frame):
-                self.requests, self.frame = GeneratorDriver(self, plan), frame
-                skip_from = plan.first_line
-            else:  # in place: let go of the snapshot those reads left (capture.release_locals)
-                capture.release_locals(frame)
         if self.requests is None:
             self.requests = InPlace(self)
         self.body = Body(self.requests)
@@ -164,7 +154,7 @@ class Trace:
         skipped = exc_type is capture.SkipBody and self.frame is not None
         if skipped:
             capture.resume_tracing(exc)
-            skip, exc = exc, None  # the body was lifted out, to run per microbatch or as a generator
+            skip, exc = exc, None  # the body was lifted out, to run per microbatch
         elif exc is not None:
             forget_frames(exc)
         error = exc
@@ -280,15 +270,3 @@ class Captured(Requests):
     def close(self) -> None:
         self.trace = self.body = None
 
-
-def _generator_bodies(trace: Trace) -> bool:
-    """Whether this trace may run its body as a generator: a forward with inputs, with every
-    hook on this thread (no accelerator), unless the user asked for bodies in place."""
-    mode = config.body_mode
-    if mode != "auto":
-        if mode != "greenlet":
-            raise ValueError(f"distgrad.config.body_mode must be 'auto' or 'greenlet', not "
-                             f"{mode!r}.")
-        return False
-    return (trace.method == "forward" and bool(trace.raw_inputs[0] or trace.raw_inputs[1])
-            and config.backward_mode != "thread" and not torch.cuda.is_initialized())

@@ -87,18 +87,16 @@ def mlp(_mlp):
     return _fresh(_mlp)
 
 
-@pytest.fixture(params=["generator", "greenlet", "thread"])
+@pytest.fixture(params=["greenlet", "thread"])
 def backward_mode(request):
-    """Run a test three ways: the body as a generator that the hooks resume (the default, where
-    the body qualifies); the body in place with the run in a greenlet; and the body in place
-    with the backward in a worker thread (the CUDA path). Once CUDA is initialised every body
-    runs in place, so each forward and gradient edit test takes this fixture: a test that ran
-    only the default would let an edit lost in place pass."""
-    old = distgrad.config.backward_mode, distgrad.config.body_mode
-    distgrad.config.backward_mode = "auto" if request.param == "generator" else request.param
-    distgrad.config.body_mode = "auto" if request.param == "generator" else "greenlet"
+    """Run a test both ways a backward hands values over: on the body's thread, the run in a
+    greenlet (a CPU backward); and in a worker thread (the path a CUDA backward takes, whose
+    hooks fire on autograd's device threads). Each forward and gradient edit test takes this
+    fixture, so that an edit lost on either path fails."""
+    old = distgrad.config.backward_mode
+    distgrad.config.backward_mode = request.param
     yield request.param
-    distgrad.config.backward_mode, distgrad.config.body_mode = old
+    distgrad.config.backward_mode = old
 
 
 def param_grads(net) -> dict:

@@ -18,10 +18,7 @@ TORCH_PRIVATE_ATTRS = {
 # entry: a function call there would cost every read (benchmarks/bytecodes.py counts it).
 INLINE_HOT_PATHS = {
     ("interleave/points.py", "ModulePoint.arm"), ("interleave/points.py", "ModulePoint.remove"),
-    ("fastpath/driver.py", "GeneratorDriver.read_grad"),
     ("interleave/session.py", "Stop.__init__"), ("interleave/session.py", "Stop.edited"),
-    ("interleave/session.py", "Session.request_solo"),
-    ("fastpath/session.py", "GeneratorSession._grad_ready"),
 }
 
 
@@ -212,7 +209,6 @@ CORE_LAYERS = (
                                "wrappers", "cpp_backtrace"}),
     ("the protocol", lambda m: m.split(".")[0] == "interleave"),
     ("what a body touches", lambda m: m in {"envoy", "backward", "gradpatch", "saving"}),
-    ("the fast path", lambda m: m.split(".")[0] == "fastpath"),
     ("engines", lambda m: m.split(".")[0] == "engines"),
     ("the trace", lambda m: m == "trace"),
     ("the package", lambda m: m == "__init__"),

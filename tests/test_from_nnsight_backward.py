@@ -11,7 +11,7 @@ import distgrad
 from conftest import PARAM_ATOL
 from nnsight_port import assert_close, mlp, mlp_fc1_grad
 
-# every body mode: a generator the hooks resume, in place in a greenlet, the backward in a thread
+# both backward modes: the run in a greenlet, the backward in a worker thread
 pytestmark = pytest.mark.usefixtures("backward_mode")
 
 

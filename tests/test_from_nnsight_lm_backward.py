@@ -12,7 +12,7 @@ import distgrad
 from conftest import PARAM_ATOL, reference
 from nnsight_port import assert_close, encode, hooked_run
 
-# every body mode: a generator the hooks resume, in place in a greenlet, the backward in a thread
+# both backward modes: the run in a greenlet, the backward in a worker thread
 pytestmark = pytest.mark.usefixtures("backward_mode")
 
 PROMPT_A = "The quick brown fox jumps"

@@ -88,7 +88,7 @@ def test_thread_mode_reuses_one_worker(mlp, monkeypatch):
 
 def _worker_thread():
     from distgrad.interleave.session import current_body
-    return current_body().block.session.run.worker.thread
+    return current_body().block.session.transport.worker.thread
 
 
 @pytest.mark.usefixtures("backward_mode")
@@ -198,7 +198,7 @@ def test_invoke_bodies_reuse_runner_greenlets(mlp):
     """Invoke bodies run on the thread's pooled runner greenlets: over many traces, and when one
     invoke raises while another waits mid-body, none is leaked and the pool does not grow."""
     import greenlet
-    from distgrad.interleave import run
+    from distgrad.interleave import transports
     model = distgrad.wrap(mlp)
     x = torch.randn(2, 8)
     seen = set()  # greenlets that ran a body (kept alive, so an id cannot be reused)
@@ -216,7 +216,7 @@ def test_invoke_bodies_reuse_runner_greenlets(mlp):
         return a, b
 
     step(False)
-    pool, greenlets = len(run._idle.runners), _greenlets()
+    pool, greenlets = len(transports._idle.runners), _greenlets()
     for i in range(200):
         if i % 2:
             with pytest.raises(KeyError, match="in the second invoke"):
@@ -225,7 +225,7 @@ def test_invoke_bodies_reuse_runner_greenlets(mlp):
             a, b = step(False)
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     assert len(seen) <= 2  # a new greenlet per body would make 201
-    assert len(run._idle.runners) == pool
+    assert len(transports._idle.runners) == pool
     seen.clear()
     assert _greenlets() == greenlets
     _clean(mlp)
@@ -263,7 +263,7 @@ def test_the_users_error_keeps_the_users_context(mlp, backward_mode, where):
     traces = []
     with pytest.raises(ValueError, match="the user's own") as info:
         _users_body(model, x, where, traces)
-    assert (traces[0].mode == "generator") == (backward_mode == "generator")
+    assert traces[0].mode == "in place"
     _assert_shown_as_raised(info.value, type(None))
 
     # raised while the user handles an exception of their own, outside the trace: that one is
@@ -274,6 +274,6 @@ def test_the_users_error_keeps_the_users_context(mlp, backward_mode, where):
             raise KeyError("the user's first")
         except KeyError:
             _users_body(model, x, where, traces)
-    assert (traces[0].mode == "generator") == (backward_mode == "generator")
+    assert traces[0].mode == "in place"
     _assert_shown_as_raised(info.value, KeyError)
     _clean(mlp)

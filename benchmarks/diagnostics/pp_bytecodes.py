@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks this one builds on
 
-import distgrad.interleave.run
+import distgrad.interleave.transports
 from bytecodes import count
 from pp_steps import one_process_steps
 
@@ -36,7 +36,7 @@ def main() -> int:
             step()
             net.zero_grad(set_to_none=True)
         # pooled greenlets made before tracing started would not be traced
-        distgrad.interleave.run._idle.runners = []
+        distgrad.interleave.transports._idle.runners = []
         counts[name] = count(step)
         net.zero_grad(set_to_none=True)
     print("| step | bytecodes |\n|---|---:|")

@@ -23,7 +23,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks this one builds on
 
 import distgrad
-import distgrad.interleave.run
+import distgrad.interleave.transports
 from bytecodes import count
 from distgrad.demo.models import Blocks, Net
 from pp_steps import pipeline_steps
@@ -61,7 +61,7 @@ def main() -> int:
             dist.barrier()
             fn()
             net.zero_grad(set_to_none=True)
-        distgrad.interleave.run._idle.runners = []  # (pooled greenlets made untraced would not be counted)
+        distgrad.interleave.transports._idle.runners = []  # (pooled greenlets made untraced would not be counted)
         dist.barrier()
         counts[name] = count(fn)
         net.zero_grad(set_to_none=True)

@@ -49,7 +49,6 @@ class AccelerateEngine(Engine):
     rank = property(lambda self: self.inner.rank)
     world_size = property(lambda self: self.inner.world_size)
     views = property(lambda self: self.inner.views)
-    generator_bodies = property(lambda self: self.inner.generator_bodies)
     own_backward = True  # accelerator.backward: its scaler, gradient accumulation
 
     def forward(self, args, kwargs):

@@ -30,10 +30,6 @@ class Engine:
     #: they are; tensor parallelism sets a ``TensorParallelViews`` (whole values in, shards out;
     #: ``tensor_parallel.py``).
     views = None
-    #: Whether a trace body may run as a generator resumed by the run's hooks (the core's fast
-    #: path, ``fastpath/driver.py``). The core reads it when a trace opens. Default False; true
-    #: only where the forward and backward are plain calls on one thread.
-    generator_bodies = False
     #: Whether the engine runs the trace body itself, once per piece of the step (pipeline
     #: parallelism: once per microbatch). The core reads it when a trace opens; if true it
     #: captures the body's code, skips it where the user wrote it, and hands it to

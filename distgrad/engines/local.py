@@ -8,7 +8,6 @@ from .base import Engine
 
 class LocalEngine(Engine):
     name = "local"
-    generator_bodies = True
 
     @property
     def model(self) -> torch.nn.Module:

@@ -267,7 +267,6 @@ class TensorParallelEngine(DistributedEngine):
 
     name = "tp"
     sharded_params = True
-    generator_bodies = False  # values are shown whole through views: the general path
 
     def __init__(self, model: torch.nn.Module, views: TensorParallelViews):
         super().__init__(model, group=dist.group.WORLD, gather=False)

@@ -9,16 +9,16 @@ request sends the reply back to the hook.
   points and bodies of one run);
 * ``points.py``: where a hook stops the run (a module call's input or output, a tensor's
   gradient); ``checkpointing.py``: the same points in a checkpointed block's recompute;
-* ``run.py``: the transports that move control between body and run (a greenlet on the body's
-  thread, or a worker thread where autograd calls hooks on its own threads);
+* ``transports.py``: how control moves between body and run, one interface with one hand-off
+  (``hand(key, value) -> reply``) and two implementations: a greenlet on the body's thread, or
+  a worker thread where autograd calls hooks on its own threads;
 * ``gradients.py``: the backward's side (``.grad`` requests, which transport a backward needs);
   ``scaling.py``: gradients shown unscaled under a loss scaler (``backward(scaler=...)``);
 * ``step.py``: ``StepRequests``, a body over another library's training step, whose loss and
   backward are that library's (``model.trace_step``);
 * ``batching.py``: rows of a batch per invoke (``token_ids.py``: ids of different lengths
   padded); ``in_order.py``: invokes whose rows overlap (an empty invoke) served one after
-  another; ``paused.py``: what a request gives back to a
-  generator body that must wait (``distgrad/fastpath/``).
+  another.
 
 Modules here import one another and distgrad's leaves (``config``, ``errors``,
 ``torch_internals``, ``capture``) only: the user-facing objects above (trace, envoy, backward

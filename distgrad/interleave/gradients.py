@@ -38,13 +38,13 @@ def grad_stop(body: Body, tensor: torch.Tensor):
     (the ``.grad`` property) have found that the body is not already at that gradient."""
     block = body.block
     session = block.session
-    if session.solo:  # one body, whole values: the rest of this function, short
+    if session.single_body:  # one body, whole values: no views, no rows to split
         if not tensor.requires_grad:
             raise _no_grad_flows(body, tensor)
         # No lookup of an earlier point for this tensor: its gradient arrives once per
         # backward, so a second request of it is out of order with a new point as with the old.
         point = GradPoint(session, tensor)
-        return session.request_solo(body, (point, 0),
+        return session.request_single(body, (point, 0),
                                     lambda: grad_passed(block.tensor, tensor, body), tensor)
     target, split = tensor, None
     if session.views is not None:  # a value shown whole: hook the shard that flows on

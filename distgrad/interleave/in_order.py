@@ -29,7 +29,7 @@ class InOrderSession(Session):
 
     def _serve_first(self, key):
         body = self.queue.pop(0)
-        rows, tensor, local = body.asked
+        rows, tensor, local = body.wants
         body.stop = Stop(key, self.current, rows, key[0].kind, self.size, self.slices, tensor,
                          local)
         self.served.append(body)

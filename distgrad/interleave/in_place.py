@@ -3,7 +3,7 @@
 The trace's one forward (and each backward block's backward) is a ``Session``: a run that
 advances only as far as the body's next request, each value handed over at a hook by a
 greenlet switch or, where hooks fire on other threads, a worker thread (``run.py``). The
-invokes (``invoke.py``) and the generator bodies (``fastpath/driver.py``) build on this class.
+invokes (``invoke.py``) build on this class.
 """
 from __future__ import annotations
 
@@ -37,8 +37,6 @@ class InPlace(Requests):
 
     # -- the forward ----------------------------------------------------------------------
 
-    def plain_backward(self, body, tensor) -> None:
-        self.engine.plain_backward()  # (DDP counts the backwards over one forward)
     def forward_session(self) -> Session:
         if self.forward is None:
             trace = self.trace
@@ -114,9 +112,9 @@ class InPlace(Requests):
                         f"{path}.{kind} and {path}.local.{kind} name one value in two forms "
                         f"(whole and this rank's shard); read one of them per call.")
                 return stop  # the body is at this very call: read/write it again
-            if session.solo:
-                return session.request_solo(body, (point, point.calls), point.passed, None,
-                                            envoy._local)
+            if session.single_body:
+                return session.request_single(body, (point, point.calls), point.passed, None,
+                                              envoy._local)
             call = point.calls
         elif call < point.calls and not (body.stop is not None and body.stop.key == (point, call)):
             raise OutOfOrderError(
@@ -142,20 +140,23 @@ class InPlace(Requests):
         # module with no hook then never sees one added mid-call. Giving every enclosing module
         # a (counting, silent) output point before the run enters it keeps `model.output` and
         # other enclosing outputs reachable later in the body. The walk stops at the first
-        # ancestor already covered in this session.
-        covered = session.covered
-        if not covered:
+        # ancestor already watched in this session.
+        watched = session.outputs_watched
+        if not watched:
             session.module_point(self.engine.root, "model", "output")
         outer = envoy._parent
         # by path, not module: a module reachable along two paths has two sets of ancestors
-        while outer is not None and outer._path not in covered:
-            covered.add(outer._path)
+        while outer is not None and outer._path not in watched:
+            watched.add(outer._path)
             if not isinstance(outer._module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
                 session.module_point(outer._module, outer._path, "output")
             outer = outer._parent
         return point
 
     # -- backward blocks ------------------------------------------------------------------
+    def plain_backward(self, body, tensor) -> None:
+        self.engine.plain_backward()  # (DDP counts the backwards over one forward)
+
     def open_backward(self, body, block) -> None:
         if block.backend is None:
             block.backend = self.engine
@@ -164,7 +165,7 @@ class InPlace(Requests):
 
     def backward_session(self, body, block) -> Session:
         return Session("backward", block.run, [body], threaded=backward_threaded(block.tensor),
-                       views=self.engine.views)
+                       views=self.engine.views, scale=block.scale)
 
     grad = staticmethod(grad_stop)  # (a call layer less on the hottest path of a block)
 

@@ -30,7 +30,7 @@ from .in_place import InPlace
 from .invoke_names import InvokeNames, namespace
 from .requests import Requests
 from .retained_grads import fill_retained_grads
-from .run import BodyRunners
+from .transports import BodyRunners
 from .session import BODIES, UNSET, Body, Session
 
 _BACKWARD = ("backward", "start")

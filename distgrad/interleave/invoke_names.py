@@ -18,7 +18,7 @@ appended to in every body is the one list, as in Python.
 """
 from __future__ import annotations
 
-from .run import BodyRunners
+from .transports import BodyRunners
 
 _UNBOUND = object()  # a shared name a body deleted
 

@@ -7,7 +7,7 @@ under a pipeline schedule the microbatch's loss (``tr.loss``), in a generate tra
 about to run. Every ``Body`` holds the object that serves it (``Body.requests``); the envoy, the
 backward block, ``Tensor.backward`` and the ``.grad`` property call that object and nothing
 else. Which kind of trace this is - a body in place, a
-batch of invokes, a body run as a generator, a pipeline step - is decided once, when the trace
+batch of invokes, a pipeline step - is decided once, when the trace
 opens (``Trace.__enter__``), by choosing the object; no caller tests it again.
 
 The objects, from the simplest:
@@ -15,10 +15,8 @@ The objects, from the simplest:
 * ``Outside`` (``backward.py``): a backward block opened outside any trace; it serves
   gradients only.
 * ``InPlace`` (``in_place.py``): the trace body in the caller's frame over one forward, each
-  value handed over by a greenlet or a worker thread (``session.py``, ``run.py``).
+  value handed over by a greenlet or a worker thread (``session.py``, ``transports.py``).
 * ``Invokes`` (``invoke.py``): several bodies over one batch, served in invoke order.
-* ``GeneratorDriver`` (``fastpath/driver.py``): the body rewritten as a generator, its runs
-  called from the trace's own stack.
 * ``StepRequests`` (``step.py``): a body over another library's training step
   (``model.trace_step``), whose loss and backward are the library's.
 * ``PipelineRun`` (``engines/pipeline/run.py``): one body per microbatch of a pipeline
@@ -57,7 +55,7 @@ class Requests:
     Attributes: ``mode``, how the bodies run, in words (``Trace.mode`` shows it); ``engine``,
     the engine the trace runs on (None outside a trace); ``backward_refused``, the message a
     backward block opened in this trace raises, or None; ``unscales``, whether a block's
-    ``scaler=`` is served (its session's hand-offs can be wrapped: ``scaling.py``).
+    ``scaler=`` is served (its session is built with ``scale=``: ``scaling.py``).
     """
 
     mode = "outside a trace"

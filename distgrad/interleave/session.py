@@ -16,11 +16,11 @@ import torch
 from ..errors import OutOfOrderError, check_replacement_grad, describe_tensor
 from . import batching
 from .points import GradPoint, ModulePoint
-from .run import GreenletRun, ThreadRun
+from .scaling import unscaled_hand_off
+from .transports import GreenletTransport, ThreadTransport
 
 BODIES: dict = {}
 UNSET = object()
-_getcurrent = greenlet.getcurrent
 
 
 def current_body():
@@ -39,7 +39,7 @@ class Body:
         self.pending = None         # key (point, call) this body waits for
         # How it wants that value: (rows it will see, for a gradient key the tensor whose .grad
         # it asked for, whether it asked through `.local` - this rank's shard as it is).
-        self.asked = (rows, None, False)
+        self.wants = (rows, None, False)
         self.stop = None            # Stop: where the run is paused for this body
         self.block = None           # the open BackwardTracer, if any
         self.saves: list = []
@@ -89,17 +89,6 @@ class Stop:
             self.version = value._version
         self.view = value
 
-    @classmethod
-    def blank(cls, kind: str) -> "Stop":
-        """A Stop for a solo session to refill at each pause (``Session.request_solo``)."""
-        stop = cls.__new__(cls)
-        stop.kind = kind
-        stop.rows = None
-        stop.key = stop.tensor = stop.view = stop.version = None
-        stop.replacement = UNSET
-        stop.local = False
-        return stop
-
     def value(self):
         return self.view if self.replacement is UNSET else self.replacement
 
@@ -130,34 +119,44 @@ def passed_error(passed_message) -> Exception:
 
 
 class Session:
+    """One run (a forward, or a backward block's backward), the points installed on it and the
+    bodies it serves; see the module text.
+
+    ``kind``: "forward" or "backward"; ``fn``: the run, a function of nothing; ``bodies``: the
+    bodies it serves, in invoke order; ``size``: the batch size, to split values between
+    invokes; ``threaded``: run ``fn`` in a worker thread (``ThreadTransport``), else a greenlet;
+    ``views``: the engine's views of sharded values (``engines/base.py``), or None: values as
+    they are; ``scale``: a loss scaler's scale, to show gradients unscaled (``scaling.py``);
+    ``hand``: for a scheduler that serves hooks itself (the pipeline's step on the trace's
+    stack), what the hooks call instead of the transport's hand-off.
+    """
+
     def __init__(self, kind: str, fn, bodies: list[Body], size: int = 0, threaded: bool = False,
-                 views=None):
-        self.kind = kind            # "forward" or "backward"
-        self.run = ThreadRun(fn) if threaded else GreenletRun(fn)
-        self.resume = self.run.resume
+                 views=None, scale: float | None = None, hand=None):
+        self.kind = kind
+        self.transport = ThreadTransport(fn) if threaded else GreenletTransport(fn)
         self.bodies = bodies
-        self.size = size            # batch size, for splitting values between invokes
+        self.size = size
         self.wanted: dict = {}      # key -> number of bodies waiting for it
         self.points: dict = {}      # (module id, kind) or tensor id -> point
         self.installed: list = []   # every point made, to remove them all at close
         self.served: list[Body] = []
         self.slices: dict | None = None  # id(view) -> (view, full) for values split by invoke
         self.paused_value = None
-        self.views = views          # the engine's TensorParallelViews, or None: values as they are
+        self.views = views
         self.paused_token = None    # what views.show returned for the paused value
         self.paused_key = None      # the key the run is paused at
         self.microbatch = None      # under a pipeline schedule: the microbatch now running
-        self.covered: set = set()   # envoy paths whose enclosing modules have output points
+        self.outputs_watched: set = set()  # envoy paths whose enclosing modules have output points
         self.finished = False
         # One body that drives the run itself and sees whole values: nothing to merge, split
-        # or show, so requests take the short path (request_solo).
-        self.solo = (len(bodies) == 1 and bodies[0].scheduler is None and bodies[0].rows is None
-                     and views is None)
-        # A solo session pauses for one body at a time and the body is done with a Stop once it
-        # asks for the next value, so it refills one Stop instead of making one per pause.
-        self.spare = Stop.blank("grad" if kind == "backward" else "value") if self.solo else None
-        # what a hook calls to hand a wanted value to the bodies
-        self.hand = self.run.hand_solo if self.solo else self.run.hand
+        # or show, so its requests take the short path (request_single).
+        self.single_body = (len(bodies) == 1 and bodies[0].scheduler is None
+                            and bodies[0].rows is None and views is None)
+        # What a point's hook calls to hand a wanted value over: the one hand-off of the
+        # transport, given its wrapping here, once, so that nothing rebinds it later.
+        hand = self.transport.hand if hand is None else hand
+        self.hand = hand if scale is None else unscaled_hand_off(hand, scale)
 
     # -- points ---------------------------------------------------------------------------
     def module_point(self, module, path: str, kind: str, new: bool = False) -> ModulePoint:
@@ -185,10 +184,10 @@ class Session:
             return stop
         if self.finished:
             raise passed_error(passed_message)
-        if self.solo and rows is UNSET:
-            return self.request_solo(body, key, passed_message, tensor, local)
+        if self.single_body and rows is UNSET:
+            return self.request_single(body, key, passed_message, tensor, local)
         body.pending = key
-        body.asked = (body.rows if rows is UNSET else rows, tensor, local)
+        body.wants = (body.rows if rows is UNSET else rows, tensor, local)
         wanted = self.wanted
         wanted[key] = wanted.get(key, 0) + 1
         try:
@@ -206,46 +205,27 @@ class Session:
             return stop
         raise passed_error(passed_message)
 
-    def request_solo(self, body: Body, key, passed_message, tensor=None, local=False) -> Stop:
-        """``request`` for a ``solo`` session, when the body is not already at ``key``."""
-        # request + advance + bodies_reply + Stop() for the common case, written out: this runs
-        # twice per read+edit, and each call of the general path costs a few hundred nanoseconds.
+    def request_single(self, body: Body, key, passed_message, tensor=None,
+                       local=False) -> Stop:
+        """``request`` for a ``single_body`` session, when the body is not already at ``key``:
+        the short path of the most common request (one body, whole values), counted by
+        benchmarks/bytecodes.py. With one body there is no one to wait for but the run, so the
+        reply goes straight to the transport and the pause straight to a Stop."""
         if self.finished:
             raise passed_error(passed_message)
         stop = body.stop
         reply = None
         if stop is not None:
             body.stop = None
-            reply = stop.replacement
-            if reply is UNSET:
-                reply = stop.edited()
+            reply = stop.reply()
         wanted = self.wanted
         wanted[key] = 1
         try:
-            glet = self.run.glet
-            if glet is not None:  # GreenletRun.resume, written out
-                glet.parent = _getcurrent()
-                event = glet.switch(reply)
-                if event.__class__ is not tuple:
-                    event = event.taken()
-                    self.run.done()
-            else:
-                event = self.resume(reply)
+            event = self.transport.resume(reply)
         finally:
             del wanted[key]
         if event.__class__ is tuple:  # only this key is wanted, so the run paused at it
-            stop = self.spare
-            stop.key = key
-            stop.tensor = tensor
-            stop.local = local
-            stop.replacement = UNSET
-            value = event[1]
-            if tensor is not None:  # a gradient: the body's own copy (see Stop)
-                value = value.clone()
-                # torch_internals.version, inline: this runs for every gradient read
-                stop.version = value._version
-            stop.view = value
-            body.stop = stop
+            stop = body.stop = Stop(key, event[1], None, key[0].kind, 0, None, tensor, local)
             return stop
         self.finished = True
         if event.kind == "error":
@@ -254,7 +234,7 @@ class Session:
 
     def advance(self) -> None:
         """Resume the run with the bodies' replies until it pauses at a wanted key or ends."""
-        event = self.resume(self.bodies_reply())
+        event = self.transport.resume(self.bodies_reply())
         if event.__class__ is tuple:
             key, value = event
             self.paused_key = key
@@ -274,7 +254,7 @@ class Session:
         kind = key[0].kind
         for body in self.bodies:
             if body.pending == key:
-                rows, tensor, local = body.asked
+                rows, tensor, local = body.wants
                 body.stop = Stop(key, value, rows, kind, self.size, self.slices, tensor, local)
                 self.served.append(body)
 
@@ -292,7 +272,7 @@ class Session:
         for body in self.bodies:
             body.stop = None
         if not self.finished:
-            self.run.abort()
+            self.transport.abort()
             self.finished = True
 
     def close(self) -> None:
@@ -300,14 +280,14 @@ class Session:
             point.remove()
         self.installed.clear()
         self.points.clear()
-        # A closed session lets go of its bodies, its run and its spare Stop. Each links back
-        # here (a body's trace holds this session; the run's function a backward block that
-        # holds it; the Stop's key a point of it), and a cycle would keep the trace's tensors
-        # alive until the cycle collector happens to run. A request after close finds
-        # ``finished`` set first and raises before it could use any of them.
+        # A closed session lets go of its bodies and its transport. Each links back here (a
+        # body's trace holds this session; the run's function a backward block that holds it),
+        # and a cycle would keep the trace's tensors alive until the cycle collector happens to
+        # run. A request after close finds ``finished`` set first and raises before it could
+        # use any of them.
         self.bodies = self.served = ()
-        self.spare = self.paused_value = self.paused_key = None
-        self.run = self.resume = self.hand = None
+        self.paused_value = self.paused_key = None
+        self.transport = self.hand = None
 
     def _show(self, key, value):
         point = key[0]
@@ -316,13 +296,13 @@ class Session:
                 return value, None
             whole, split = self.views.show_grad(point.split, value)
             return whole, ("grad", split)
-        if all(b.asked[2] for b in self.bodies if b.pending == key):
+        if all(b.wants[2] for b in self.bodies if b.pending == key):
             return value, None
         whole, token = self.views.show(point.kind, point.module, value, point.label)
         return whole, (None if token is None else ("value", token))
 
     def bodies_reply(self):
-        if self.solo:
+        if self.single_body:
             body = self.bodies[0]
             stop = body.stop
             if stop is None:

@@ -10,9 +10,8 @@ from collections import Counter
 
 import distgrad
 
-# (backward_mode, body_mode): the body as a generator, then in place with the backward on a
-# greenlet and on a worker thread (what CUDA forces)
-MODES = [("auto", "auto"), ("greenlet", "greenlet"), ("thread", "greenlet")]
+# backward_mode: the backward on a greenlet, and on a worker thread (what CUDA forces)
+MODES = ["greenlet", "thread"]
 
 
 def cyclic_garbage(step, times: int = 3) -> list:
@@ -67,11 +66,11 @@ def check_no_cycles(model, ids, scale: float, clear_grads, plain_step) -> None:
     few closures of its hooks into cycles), and the saved logits die, without gc.collect(),
     once the user drops them."""
     engine_own = kinds(cyclic_garbage(plain_step))
-    old = distgrad.config.backward_mode, distgrad.config.body_mode
+    old = distgrad.config.backward_mode
     try:
-        for backward_mode, body_mode in MODES:
-            distgrad.config.backward_mode, distgrad.config.body_mode = backward_mode, body_mode
-            mode = f"backward_mode={backward_mode}, body_mode={body_mode}"
+        for backward_mode in MODES:
+            distgrad.config.backward_mode = backward_mode
+            mode = f"backward_mode={backward_mode}"
             found = kinds(cyclic_garbage(lambda: readme_step(model, ids, scale, clear_grads)))
             if found["Tensor"] or found - engine_own:
                 raise AssertionError(f"{mode}: {found['Tensor']} tensors in cyclic garbage: "
@@ -88,4 +87,4 @@ def check_no_cycles(model, ids, scale: float, clear_grads, plain_step) -> None:
                 if was_enabled:
                     gc.enable()
     finally:
-        distgrad.config.backward_mode, distgrad.config.body_mode = old
+        distgrad.config.backward_mode = old

@@ -41,30 +41,22 @@ def case_read_edit(model, wrapped, rank, world):
     ids = global_ids(sum(sizes))
     local = ids[rows_of(rank, sizes)]
     ref = oracle(ids, edit=2.0)
-    # the body as a generator the engine's hooks resume (the default here), then in place
-    for mode in ("auto", "greenlet"):
-        distgrad.config.body_mode = mode
-        try:
-            with model.trace(local) as tr:
-                a1 = model.transformer.h[0].output
-                h1 = model.transformer.h[1].output.save()
-                loss = model.output.logits.sum() * SCALE
-                with loss.backward():
-                    g = a1.grad.save()
-                    a1.grad = a1.grad * 2
-        finally:
-            distgrad.config.body_mode = "auto"
-        if (tr.mode == "generator") != (mode == "auto"):
-            raise AssertionError(f"body_mode={mode!r}: the body ran {tr.mode!r}")
-        if rank == 0:
-            close(g, ref["g0"], f"gathered h[0] gradient ({mode})")
-            close(h1, ref["h1"], f"gathered h[1] output ({mode})")
-        else:
-            close(g, ref["g0"][rows_of(rank, sizes)], f"rank-local h[0] gradient ({mode})")
-        for name in PARAMS:  # a collective on sharded engines: every rank reads
-            got = param_envoy(model, name).grad
-            close(got, ref["params"][name] / world, f"reduced grad of {name} ({mode})")
-        clear_grads(wrapped)
+    with model.trace(local):
+        a1 = model.transformer.h[0].output
+        h1 = model.transformer.h[1].output.save()
+        loss = model.output.logits.sum() * SCALE
+        with loss.backward():
+            g = a1.grad.save()
+            a1.grad = a1.grad * 2
+    if rank == 0:
+        close(g, ref["g0"], "gathered h[0] gradient")
+        close(h1, ref["h1"], "gathered h[1] output")
+    else:
+        close(g, ref["g0"][rows_of(rank, sizes)], "rank-local h[0] gradient")
+    for name in PARAMS:  # a collective on sharded engines: every rank reads
+        got = param_envoy(model, name).grad
+        close(got, ref["params"][name] / world, f"reduced grad of {name}")
+    clear_grads(wrapped)
 
 
 def case_watch_only_in_traces(model, wrapped, rank, world):
@@ -122,40 +114,35 @@ def case_different_values_saved(model, wrapped, rank, world):
     ids = global_ids(sum(sizes))
     local = ids[rows_of(rank, sizes)]
     mine = rank % 2
-    for mode in ("auto", "greenlet"):  # the body as a generator, then in place
-        distgrad.config.body_mode = mode
+    for kind in ("output.grad", "output"):
         try:
-            for kind in ("output.grad", "output"):
-                try:
-                    with model.trace(local):
-                        a = model.transformer.h[mine].output
-                        if kind == "output":
-                            a.save()
-                        with (model.output.logits.sum() * SCALE).backward():
-                            if kind == "output.grad":
-                                a.grad.save()
-                except ValueError as exc:
-                    for r in range(world):
-                        named = f"rank {r}: model.transformer.h[{r % 2}].{kind}"
-                        if f"{named}," not in str(exc) and f"{named})" not in str(exc):
-                            raise AssertionError(f"({mode}) {named!r} not in: {exc}") from exc
-                else:
-                    raise AssertionError(f"({mode}) ranks saving h[0] and h[1]'s {kind} did not raise")
-                clear_grads(wrapped)
-            ref = oracle(ids)
             with model.trace(local):
-                a = model.transformer.h[0].output
-                loss = model.output.logits.sum() * SCALE
-                with loss.backward():
-                    g = a.grad.save()
-                total = loss.detach().save()
-        finally:
-            distgrad.config.body_mode = "auto"
-        if rank == 0:
-            close(g, ref["g0"], f"gathered h[0] gradient after the error ({mode})")
-            close(total, torch.stack([ref["losses"][rows_of(r, sizes)].sum() * SCALE
-                                      for r in range(world)]), f"saved loss ({mode})")
+                a = model.transformer.h[mine].output
+                if kind == "output":
+                    a.save()
+                with (model.output.logits.sum() * SCALE).backward():
+                    if kind == "output.grad":
+                        a.grad.save()
+        except ValueError as exc:
+            for r in range(world):
+                named = f"rank {r}: model.transformer.h[{r % 2}].{kind}"
+                if f"{named}," not in str(exc) and f"{named})" not in str(exc):
+                    raise AssertionError(f"{named!r} not in: {exc}") from exc
+        else:
+            raise AssertionError(f"ranks saving h[0] and h[1]'s {kind} did not raise")
         clear_grads(wrapped)
+    ref = oracle(ids)
+    with model.trace(local):
+        a = model.transformer.h[0].output
+        loss = model.output.logits.sum() * SCALE
+        with loss.backward():
+            g = a.grad.save()
+        total = loss.detach().save()
+    if rank == 0:
+        close(g, ref["g0"], "gathered h[0] gradient after the error")
+        close(total, torch.stack([ref["losses"][rows_of(r, sizes)].sum() * SCALE
+                                  for r in range(world)]), "saved loss")
+    clear_grads(wrapped)
 
 
 def case_rank_dependent_param_grad(model, wrapped, rank, world):

@@ -87,21 +87,16 @@ def check(model, wrapped, rank, world, edit):
     local = ids[rank * ROWS:(rank + 1) * ROWS]
     ref = oracle(ids, 1.0 if edit is None else edit)
     plain = oracle(ids, 1.0)
-    for mode in ("auto", "greenlet"):  # the body as a generator, then in place
-        distgrad.config.body_mode = mode
-        try:
-            got = traced(model, local, edit)
-        finally:
-            distgrad.config.body_mode = "auto"
-        clear_grads(wrapped)
-        for name in LORA:
-            close(got[name], ref[name] / world, f"{name} ({mode}, edit {edit})")
-            # h[0]'s adapters lie upstream of the edit, h[1]'s downstream: the edit must change
-            # the former (else the case tests nothing) and can change the latter by no means
-            upstream = name.startswith("transformer.h.0.")
-            if edit is not None and upstream == torch.allclose(ref[name], plain[name], atol=1e-4):
-                raise AssertionError(f"{name}: the edit {'does not change' if upstream else 'changes'} "
-                                     f"it in the oracle")
+    got = traced(model, local, edit)
+    clear_grads(wrapped)
+    for name in LORA:
+        close(got[name], ref[name] / world, f"{name} (edit {edit})")
+        # h[0]'s adapters lie upstream of the edit, h[1]'s downstream: the edit must change
+        # the former (else the case tests nothing) and can change the latter by no means
+        upstream = name.startswith("transformer.h.0.")
+        if edit is not None and upstream == torch.allclose(ref[name], plain[name], atol=1e-4):
+            raise AssertionError(f"{name}: the edit {'does not change' if upstream else 'changes'} "
+                                 f"it in the oracle")
 
 
 def case_lora_grads(model, wrapped, rank, world):
@@ -131,23 +126,18 @@ def case_lora_grads_with_a_scaler(model, wrapped, rank, world):
     net.base_model.model.transformer.h[0].register_forward_hook(on_output)
     (net(ids).logits.sum() * SCALE * scale).backward()
     ref = {name: p.grad for name, p in net.base_model.model.named_parameters() if name in LORA}
-    for mode in ("auto", "greenlet"):
-        distgrad.config.body_mode = mode
-        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
-        try:
-            with model.trace(local):
-                h0 = model.transformer.h[0].output
-                with (model.output.logits.sum() * SCALE).backward(scaler=scaler):
-                    g0 = h0.grad.save()
-                    h0.grad = h0.grad.clamp(-1e-4, 1e-4)
-                got = {name: lora_weight(model, name).grad.clone() for name in LORA}
-        finally:
-            distgrad.config.body_mode = "auto"
-        clear_grads(wrapped)
-        close(g0, seen["g0"] if rank == 0 else seen["g0"][rank * ROWS:(rank + 1) * ROWS],
-              f"h[0] gradient, unscaled ({mode})")
-        for name in LORA:  # scaled, as PyTorch leaves parameter gradients until scaler.step
-            close(got[name] / scale, ref[name] / scale / world, f"{name} ({mode}, scaler)")
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    with model.trace(local):
+        h0 = model.transformer.h[0].output
+        with (model.output.logits.sum() * SCALE).backward(scaler=scaler):
+            g0 = h0.grad.save()
+            h0.grad = h0.grad.clamp(-1e-4, 1e-4)
+        got = {name: lora_weight(model, name).grad.clone() for name in LORA}
+    clear_grads(wrapped)
+    close(g0, seen["g0"] if rank == 0 else seen["g0"][rank * ROWS:(rank + 1) * ROWS],
+          "h[0] gradient, unscaled")
+    for name in LORA:  # scaled, as PyTorch leaves parameter gradients until scaler.step
+        close(got[name] / scale, ref[name] / scale / world, f"{name} (scaler)")
 
 
 def main():

@@ -26,7 +26,7 @@ def footprint(model, net, ctx) -> dict:
     """What a pipeline trace could leave behind on this rank: hooks on the whole model's and
     the stages' modules, patched stage and schedule methods, registered bodies, threads, the
     engine's per-step records, idle runner greenlets."""
-    from distgrad.interleave.run import _idle
+    from distgrad.interleave.transports import _idle
     from distgrad.interleave.session import BODIES
     engine = model._engine
     modules = {id(m): m for root in [net] + [st.submod for st in ctx["stages"]]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import greenlet
 
-from ...interleave.run import Abort
+from ...interleave.transports import Abort
 from ...interleave.session import BODIES, Stop
 
 _getcurrent = greenlet.getcurrent
@@ -85,7 +85,7 @@ class DirectSteps:
         served = []
         for body in session.bodies:
             if body.pending == key:
-                rows, tensor, local = body.asked
+                rows, tensor, local = body.wants
                 body.stop = Stop(key, value, rows, kind, session.size, session.slices, tensor,
                                  local)
                 served.append(body)

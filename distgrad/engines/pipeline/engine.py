@@ -71,7 +71,6 @@ class PipelineEngine(DistributedEngine):
     (see the module text and docs/engines/pipeline.md)."""
     name = "pipeline"
     captures_body = True  # the trace body runs once per microbatch
-    generator_bodies = False  # (its bodies are greenlets that the step's hooks wake)
 
     def __init__(self, schedule, full_model: torch.nn.Module):
         stages = schedule_stages(schedule)

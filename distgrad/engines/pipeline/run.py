@@ -16,7 +16,7 @@ from ... import capture
 from ...capture import NotSaved
 from ...interleave.gradients import step_threaded
 from ...interleave.points import add_tensor_hook
-from ...interleave.run import BodyRunners
+from ...interleave.transports import BodyRunners
 from ...interleave.session import BODIES, Body, Session
 from .direct import DirectSteps
 from .messages import MOST_MICROBATCHES, Messages

@@ -43,9 +43,6 @@ from .given_up import keep_for_life
 
 class DistributedEngine(Engine):
     sharded_params = False  # True: a parameter's .grad through distgrad is a collective
-    # DDP, FSDP and ZeRO run their forward and backward as plain calls on this thread, so a
-    # trace body may run as a generator there (tensor parallel and pipelines say no)
-    generator_bodies = True
 
     def __init__(self, wrapped, group=None, gather: bool = True):
         super().__init__(wrapped)

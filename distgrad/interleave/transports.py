@@ -1,24 +1,31 @@
-"""Runs a forward or a backward as a coroutine of the with-block body.
+"""Transports: how control moves between a with-block body and the run (a forward or a
+backward) that answers it. One interface, one hand-off:
 
-The body asks for a value; the run goes on until the hook that produces it fires; the hook hands
-the value over and waits; the body reads or replaces it and, when it asks for the next value,
-hands the reply back to the hook. Two ways to switch, one protocol:
+* the body's side calls ``resume(reply)``: the run goes on (``reply``: what the body put at the
+  value it was paused at, or None) until a hook hands a value over or the run ends;
+* a hook calls ``hand(key, value)``: the run pauses, the body gets ``(key, value)`` from its
+  ``resume``, and ``hand`` returns the reply of the body's next ``resume``;
+* ``abort()`` unwinds a run the body gives up on; ``finished`` says the run has ended.
 
-* ``GreenletRun`` runs ``fn`` in a greenlet on the body's own thread. A switch is cheap and
-  the run sees the body's thread-local state (grad mode, CUDA device and stream).
-  Forward hooks, and backward hooks of a graph on the CPU, fire on the calling thread, so this
-  serves every forward and every CPU backward.
-* ``ThreadRun`` runs ``fn`` in a worker thread and accepts hand-offs from any thread. On CUDA the
-  autograd engine calls tensor hooks on its per-device threads while the thread that called
-  ``backward()`` sits blocked in C++, so such a backward cannot share the body's thread. A
-  hand-off costs a lock round trip, dearer than a switch (see docs/performance.md). The worker
-  threads are kept and reused: PyTorch sets up per-thread state the first time a thread runs a
-  backward, which made a fresh thread per backward block cost more than the backward itself.
+Two implementations, chosen per run by where its hooks fire:
 
-Events returned to the driver by ``resume``: a pause is the pair ``(key, value)`` (a plain tuple:
-checking ``event.__class__ is tuple`` is the cheapest test on the hot path); the end is an
-``Outcome`` whose ``kind`` is ``"done"`` (``value``: the result), ``"error"`` (``value``: the
-exception) or ``"aborted"``.
+* ``GreenletTransport`` runs ``fn`` in a greenlet on the body's own thread. A switch is cheap
+  and the run sees the body's thread-local state (grad mode, CUDA device and stream). Forward
+  hooks, and backward hooks of a graph on the CPU, fire on the calling thread, so this serves
+  every forward and every CPU backward.
+* ``ThreadTransport`` runs ``fn`` in a worker thread and takes hand-offs from any thread. On
+  CUDA the autograd engine calls tensor hooks on its per-device threads while the thread that
+  called ``backward()`` sits blocked in C++, so such a backward cannot share the body's thread.
+  A hand-off is a lock round trip (its cost: docs/performance.md). Worker threads are kept and
+  reused, because PyTorch sets up per-thread state the first time a thread runs a backward.
+
+What ``resume`` returns: a pause is the pair ``(key, value)`` (a plain tuple, so that
+``event.__class__ is tuple`` tells a pause from an end at the cost of one comparison); the end
+is an ``Outcome`` whose ``kind`` is ``"done"`` (``value``: the result), ``"error"``
+(``value``: the exception) or ``"aborted"``.
+
+``BodyRunners`` are the greenlets of bodies that a scheduler runs in turns (invokes, a
+pipeline's microbatches), from the same per-thread pool as the runs.
 """
 from __future__ import annotations
 
@@ -62,10 +69,9 @@ def outcome_of(fn) -> Outcome:
         return Outcome("error", exc)
 
 
-# A new greenlet allocates a fresh interpreter data stack the first time it runs Python, which
-# made a tiny forward measurably slower than the same forward run directly. So each thread keeps
-# idle runner greenlets and reuses them: one is created per thread, more for nested runs and for
-# bodies run in turns (BodyRunners).
+# A new greenlet allocates a fresh interpreter data stack the first time it runs Python, a cost
+# of the order of a tiny forward. So each thread keeps idle runner greenlets and reuses them:
+# one per thread, more for nested runs and for bodies run in turns (BodyRunners).
 _idle = threading.local()
 _getcurrent = greenlet.getcurrent
 
@@ -153,12 +159,34 @@ class BodyRunners:
         self.taken, self.todo = [], {}
 
 
-class GreenletRun:
+class Transport:
+    """The interface both transports implement; see the module text. ``fn``: the run, a
+    function of nothing (the model's forward, a backward) whose hooks call ``hand``."""
+
+    finished = False
+
+    def resume(self, reply=None):
+        """Start the run, or send ``reply`` to the hook it is paused in; return the next
+        event: ``(key, value)`` at a pause, an ``Outcome`` at the end."""
+        raise NotImplementedError
+
+    def hand(self, key, value):
+        """Called by a hook: pause the run, give ``(key, value)`` to the body, and return the
+        body's reply (None: the value flows on unchanged)."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Unwind the run (raising ``Abort`` in the hook it is paused in); it ends."""
+        raise NotImplementedError
+
+
+class GreenletTransport(Transport):
+    """The run in a greenlet on the body's thread; see the module text."""
+
     def __init__(self, fn):
         self.fn = fn
         self.glet = None
         self.finished = False
-        self.thread = threading.current_thread()
 
     def resume(self, reply=None):
         # The run returns to whoever resumed it: the body, or the invoke scheduler.
@@ -177,23 +205,12 @@ class GreenletRun:
 
     def hand(self, key, value):
         glet = self.glet
-        if _getcurrent() is not glet:
+        if _getcurrent() is not glet:  # another thread, or a greenlet that is not this run
             raise RuntimeError(
                 "distgrad: a hook fired on a thread other than the one running the trace "
                 f"({threading.current_thread().name}). For a backward on an accelerator set "
                 "distgrad.config.backward_mode = 'thread'.")
         return glet.parent.switch(key, value)  # the receiver gets the pair (key, value)
-
-    def hand_solo(self, key, value):
-        """``hand`` for a session with one body that drives the run: while a key is wanted that
-        body waits in ``resume``, so a hook that fires on this thread runs in the run's greenlet
-        and the check is needed only for other threads, where the switch itself refuses."""
-        try:
-            return self.glet.parent.switch(key, value)
-        except greenlet.error:
-            if threading.current_thread() is self.thread:
-                raise
-            self.hand(key, value)  # raises the message for a hook on another thread
 
     def abort(self):
         if self.glet is not None:
@@ -233,9 +250,8 @@ class _Worker:
 _workers: list[_Worker] = []  # idle ones; a list's append and pop are atomic under the GIL
 
 
-class ThreadRun:
-    glet = None  # no greenlet: Session.request_solo takes resume()
-    hand_solo = property(lambda self: self.hand)
+class ThreadTransport(Transport):
+    """The run in a worker thread, hand-offs from any thread; see the module text."""
 
     def __init__(self, fn):
         self.fn = fn

@@ -1,11 +1,11 @@
-"""The generator path: a trace body that qualifies runs as a generator that the hooks resume.
+"""Trace bodies in the forms users write them: loops and comprehensions of reads, augmented
+and slice assignments to ``.grad``, reads inside helper functions and objects, ``global`` and
+``del``, names bound before an error, a debugger's trace function, a library's own tensor hooks.
 
-Each test checks which path the body took (``Trace.mode`` is "generator" when it ran as a
-generator) and compares the numbers with plain autograd (retain_grad / tensor hooks) on the
-same model and input, fp32, atol 1e-6 for values handed over unchanged, 1e-5 for parameter
-gradients. The other tests of the suite run their bodies on this path wherever they qualify;
-the ``backward_mode`` fixture runs the same programs in place as well, and so do the edit tests
-here (``Trace.mode`` "in place").
+Each test compares the numbers with plain autograd (retain_grad / tensor hooks) on the same
+model and input, fp32, atol 1e-6 for values handed over unchanged, 1e-5 for parameter
+gradients; the ``backward_mode`` tests run with the backward in a greenlet and in a worker
+thread (the CUDA path).
 """
 import sys
 
@@ -53,7 +53,7 @@ def test_a_loop_of_reads_and_edits_matches_autograd(mlp, backward_mode):
             for a in reversed(acts):
                 gs.append(a.grad.save())
                 a.grad = a.grad * 2
-    assert (tr.mode == "generator") == (backward_mode == "generator")
+    assert tr.mode == "in place"
     assert i == "kept"
     for layer, g in zip((0, 2, 4), gs[::-1]):
         torch.testing.assert_close(g, expected[layer], atol=ATOL, rtol=0)
@@ -73,7 +73,7 @@ def test_in_place_augmented_and_input_edits(mlp, backward_mode):
         with model.output.sum().backward():
             h4.grad *= 3
             h2.grad[:] = 1.0
-    assert (tr.mode == "generator") == (backward_mode == "generator")
+    assert tr.mode == "in place"
     got = param_grads(mlp)
     mlp.zero_grad(set_to_none=True)
 
@@ -97,22 +97,21 @@ def _read_output(envoy):
     return envoy.output
 
 
-def test_a_body_that_calls_a_helper_runs_in_place(mlp):
-    """A user function may read values itself: such a body keeps the in-place path."""
+def test_a_body_that_calls_a_helper(mlp):
+    """A user function may read values itself."""
     model = distgrad.wrap(mlp)
     x = torch.randn(2, 8)
     with model.trace(x) as tr:
         h = _read_output(model[2])
         with model.output.sum().backward():
             g = h.grad.save()
-    assert tr.mode != "generator"
+    assert tr.mode == "in place"
     expected, _ = _oracle(mlp, x, [2], scale=1.0)
     torch.testing.assert_close(g, expected[2], atol=ATOL, rtol=0)
 
 
 class _Looks:
-    """An object whose method has a tensor method's name but reads a value itself: the survey
-    cannot tell, so the read gets distgrad's paused marker."""
+    """An object whose method has a tensor method's name but reads a value itself."""
 
     def __init__(self, envoy):
         self.envoy = envoy
@@ -121,27 +120,17 @@ class _Looks:
         return self.envoy.output * 1
 
 
-def test_a_read_the_survey_missed_says_what_to_do(mlp):
+def test_a_read_inside_an_object_of_the_users(mlp):
     model = distgrad.wrap(mlp)
     x = torch.randn(2, 8)
     looks = _Looks(model[4])
-    with pytest.raises(distgrad.TraceStateError, match="body_mode = 'greenlet'"):
-        with model.trace(x) as tr:
-            h = model[2].output
-            wrapper = looks  # bound in the body: the survey knows only the method's name
-            total = wrapper.sum()
-    assert tr.mode == "generator"
-    assert hook_count(mlp) == 0 and not BODIES
-    distgrad.config.body_mode = "greenlet"
-    try:
-        with model.trace(x) as tr:
-            h = model[2].output
-            total = looks.sum().save()
-    finally:
-        distgrad.config.body_mode = "auto"
-    assert tr.mode != "generator"
+    with model.trace(x) as tr:
+        h = model[2].output
+        total = looks.sum().save()
+    assert tr.mode == "in place"
     torch.testing.assert_close(total, mlp(x), atol=ATOL, rtol=0)
     torch.testing.assert_close(h, mlp[:3](x), atol=ATOL, rtol=0)
+    assert hook_count(mlp) == 0 and not BODIES
 
 
 def test_names_come_back_and_errors_show_the_users_line(mlp):
@@ -155,7 +144,7 @@ def test_names_come_back_and_errors_show_the_users_line(mlp):
         count += 1
         with model.output.sum().backward():
             g = h.grad
-    assert tr.mode == "generator"
+    assert tr.mode == "in place"
     assert count == 1 and g.shape == (2, 16) and h.shape == (2, 16)
     with pytest.raises(ZeroDivisionError) as info:
         with model.trace(x):
@@ -167,15 +156,14 @@ def test_names_come_back_and_errors_show_the_users_line(mlp):
     assert hook_count(mlp) == 0 and not BODIES
 
 
-def test_a_debugger_keeps_tracing_across_a_generator_trace(mlp):
-    """The body is skipped in place by a line-trace exception: a debugger's or coverage's trace
-    functions must be back afterwards."""
+def test_a_debugger_keeps_tracing_across_a_trace(mlp):
+    """A debugger's or coverage's trace function sees the lines after the trace."""
     model = distgrad.wrap(mlp)
     x = torch.randn(2, 8)
     lines = []
 
     def tracer(frame, event, arg):
-        if frame.f_code is test_a_debugger_keeps_tracing_across_a_generator_trace.__code__:
+        if frame.f_code is test_a_debugger_keeps_tracing_across_a_trace.__code__:
             lines.append(frame.f_lineno)
         return tracer
 
@@ -188,7 +176,7 @@ def test_a_debugger_keeps_tracing_across_a_generator_trace(mlp):
         marker = True  # noqa: F841 (a line the tracer must see)
     finally:
         sys.settrace(None)
-    assert tr.mode == "generator"
+    assert tr.mode == "in place"
     assert after in lines
 
 
@@ -223,16 +211,15 @@ def test_library_tensor_hooks_see_plain_grad(mlp, backward_mode):
                 h.grad = h.grad * 2
     finally:
         handle.remove()
-    assert (tr.mode == "generator") == (backward_mode == "generator")
+    assert tr.mode == "in place"
     assert seen == [None]
     torch.testing.assert_close(handed[0], expected_handed, atol=ATOL, rtol=0)
     assert_param_grads(mlp, expected_params, atol=PARAM_ATOL)
 
 
 def test_a_gradient_waited_for_in_vain_leaves_no_hook(mlp):
-    """The body waits for one gradient at a time through one tensor hook that removes itself
-    when it fires. A gradient asked for after it passed (forward order) never fires its hook:
-    the OutOfOrderError reaches the body, the hook goes, and the body goes on."""
+    """A gradient asked for after it passed (forward order) never fires its hook: the
+    OutOfOrderError reaches the body, the body goes on, and no hook is left behind."""
     model = distgrad.wrap(mlp)
     x = torch.randn(2, 8)
     expected, _ = _oracle(mlp, x, [1], scale=1.0)
@@ -246,7 +233,7 @@ def test_a_gradient_waited_for_in_vain_leaves_no_hook(mlp):
                 late = "no error"
             except distgrad.OutOfOrderError as exc:
                 late = str(exc)
-    assert tr.mode == "generator"
+    assert tr.mode == "in place"
     assert "model[3].output" in late, late
     torch.testing.assert_close(ga, expected[1], atol=ATOL, rtol=0)
     assert not a._backward_hooks and not b._backward_hooks
@@ -256,18 +243,17 @@ def test_a_gradient_waited_for_in_vain_leaves_no_hook(mlp):
 _COUNTER = 0
 
 
-def test_bodies_the_generator_cannot_mirror_run_in_place(mlp):
-    """A name the function declares global, and `del`: the body stays where it is written,
-    and both mean what they mean there."""
+def test_global_and_del_in_a_body(mlp):
+    """A name the function declares global, and `del`: both mean what they mean in place."""
     global _COUNTER
     model = distgrad.wrap(mlp)
     x = torch.randn(2, 8)
     with model.trace(x) as tr:
         h = model[2].output
         _COUNTER = _COUNTER + 1
-    assert tr.mode != "generator" and _COUNTER == 1
+    assert tr.mode == "in place" and _COUNTER == 1
     scratch = 1
     with model.trace(x) as tr:
         h = model[2].output
         del scratch
-    assert tr.mode != "generator" and "scratch" not in locals()
+    assert tr.mode == "in place" and "scratch" not in locals()

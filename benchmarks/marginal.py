@@ -1,6 +1,7 @@
 """What each further read+edit costs, measured where the model's own time hides it less.
 
     python benchmarks/marginal.py [--layers 40] [--steps 200] [--no-nnsight]
+                                  [--backward-mode greenlet|thread]
 
 overhead.py's part B fits a slope over k = 1..6 hooked layers of a tiny GPT-2. A GPT-2 step
 takes 16 ms here and drifts by a few hundred microseconds, so that slope carries a standard error
@@ -15,9 +16,9 @@ Two programs: "read" reads ``model[i].output`` only (a forward pause each); "rea
 README program per layer (forward read, then in the backward block ``a.grad.save()`` and
 ``a.grad = a.grad * 2``). Raw hooks do the same with a forward hook and a tensor hook.
 
-distgrad runs such a body as a generator that the hooks resume (the default); "greenlet bodies"
-is the same program with ``distgrad.config.body_mode = "greenlet"`` (the body in place, the run
-in a greenlet), timed in the same run. The floors below are the least each design can cost.
+``--backward-mode thread`` runs distgrad's backward blocks in a worker thread, the path a CUDA
+backward takes (``distgrad.config.backward_mode``). The floors below are the least a design
+with the body as a coroutine of the run can cost.
 """
 from __future__ import annotations
 
@@ -92,15 +93,6 @@ def traced_edit(model, x, k):
                 gs.append(a.grad.save())
                 a.grad = a.grad * 2
     return gs[::-1]
-
-
-def greenlet_edit(model, x, k):
-    """traced_edit with the body run in place, as before the generator path (config.body_mode)."""
-    distgrad.config.body_mode = "greenlet"
-    try:
-        return traced_edit(model, x, k)
-    finally:
-        distgrad.config.body_mode = "auto"
 
 
 def _add_hook(hooks: dict, fn) -> int:
@@ -196,56 +188,6 @@ def nocoroutine_edit(net, x, k):
     return gs[::-1]
 
 
-def generator_edit(net, x, k):
-    """floor_edit's body as a Python generator that the hooks resume in place (no stack
-    switching): the same requests in the same order, each ``.output`` or ``.grad`` a ``yield``,
-    as an AST rewrite of a with-block body would run it. One-shot hooks, armed for the module or
-    tensor the body asks for next. What floor_edit costs beyond it is greenlet's switching."""
-    state = {"reply": None, "gs": None}
-
-    def body():  # for i: acts.append(net[i].output); then for a, reversed: a.grad = a.grad * 2
-        acts = []
-        for i in range(k):
-            acts.append((yield net[i]))
-        gs = []
-        for a in reversed(acts):
-            g = (yield a).clone()
-            gs.append(g)
-            state["reply"] = _doubled(g)
-        state["gs"] = gs
-        yield None
-
-    gen = body()
-    send = gen.send
-
-    def on_output(module, args, output):
-        del module._forward_hooks[armed[1]]
-        arm(send(output))
-
-    def on_grad(grad):
-        state["reply"] = None
-        arm(send(grad))
-        return state["reply"]
-
-    armed = [None, None]
-
-    def arm(want):
-        if isinstance(want, torch.nn.Module):
-            armed[1] = _add_hook(want._forward_hooks, on_output)
-        elif want is not None:
-            _add_hook(_tensor_hooks(want), on_grad)
-
-    first = send(None)
-    if k:
-        arm(first)
-    out = net(x)
-    if not k:
-        torch.autograd.backward(out.sum())
-        return []
-    torch.autograd.backward(out.sum())
-    return state["gs"][::-1]
-
-
 ESTIMATORS = {"median": statistics.median, "min": min}
 
 
@@ -262,7 +204,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200, help="timed steps per variant and k")
     p.add_argument("--repeats", type=int, default=3, help="whole measurements; the median is kept")
     p.add_argument("--no-nnsight", action="store_true")
+    p.add_argument("--backward-mode", default="auto", choices=("auto", "greenlet", "thread"),
+                   help="distgrad.config.backward_mode (thread: what a CUDA backward uses)")
     a = p.parse_args()
+    distgrad.config.backward_mode = a.backward_mode
     torch.set_num_threads(1)
     n = a.layers
     x = torch.randn(2, 16)
@@ -282,14 +227,10 @@ def main() -> int:
     net.zero_grad(set_to_none=True)
     floor_ok = floor_ok and all(torch.allclose(r, g, atol=1e-6)
                                 for r, g in zip(ref, nocoroutine_edit(net, x, n)))
-    net.zero_grad(set_to_none=True)
-    floor_ok = floor_ok and all(torch.allclose(r, g, atol=1e-6)
-                                for r, g in zip(ref, generator_edit(net, x, n)))
-    print(f"numerics floor, generator and no-coroutine vs raw hooks: "
+    print(f"numerics floor and no-coroutine vs raw hooks: "
           f"{'OK' if floor_ok else 'MISMATCH'}")
 
-    results = {"distgrad": [], "greenlet bodies": [], "floor": [], "generator": [],
-               "no coroutine": []}
+    results = {"distgrad": [], "floor": [], "no coroutine": []}
     for _ in range(a.repeats):
         variants = {}
         for prog, raw, traced in (("read", raw_read, traced_read), ("read+edit", raw_edit, traced_edit)):
@@ -297,13 +238,10 @@ def main() -> int:
                 variants[(f"raw {prog}", k)] = (raw, net, (net, x, k))
                 variants[(f"distgrad {prog}", k)] = (traced, net, (libs["distgrad"], x, k))
         for k in (0, n):
-            variants[("greenlet bodies read+edit", k)] = (greenlet_edit, net,
-                                                          (libs["distgrad"], x, k))
             variants[("floor read+edit", k)] = (floor_edit, net, (net, x, k))
-            variants[("generator read+edit", k)] = (generator_edit, net, (net, x, k))
             variants[("no coroutine read+edit", k)] = (nocoroutine_edit, net, (net, x, k))
         found = per_layer(bench(variants, a.steps, rounds=10, warmup=10, stat=None), n)
-        for lib in ("distgrad", "greenlet bodies", "floor", "generator", "no coroutine"):
+        for lib in ("distgrad", "floor", "no coroutine"):
             results[lib].append(found)
 
     if not a.no_nnsight:
@@ -333,8 +271,7 @@ def main() -> int:
     print("| library | program | raw hooks us (median) | library us (median) | overhead us (median) "
           "| overhead us (min) |\n|---|---|---:|---:|---:|---:|")
     for lib, runs in results.items():
-        for prog in (("read+edit",) if lib in ("greenlet bodies", "floor", "generator",
-                                                "no coroutine")
+        for prog in (("read+edit",) if lib in ("floor", "no coroutine")
                      else ("read", "read+edit")):
             raw = statistics.median(r["median"][f"raw {prog}"] for r in runs)
             own = statistics.median(r["median"][f"{lib} {prog}"] for r in runs)
@@ -342,12 +279,9 @@ def main() -> int:
                                            for r in runs) for est in ESTIMATORS}
             print(f"| {lib} | {prog} | {raw:.1f} | {own:.1f} | {over['median']:.1f} "
                   f"| {over['min']:.1f} |")
-    print("\n(distgrad: the body runs as a generator the hooks resume, the default; greenlet "
-          "bodies: the same with distgrad.config.body_mode = 'greenlet', the body in place and "
-          "the run in a greenlet.)")
-    print("(floor: floor_edit, the leanest greenlet coroutine read+edit; generator: the same "
-          "body as a generator the hooks resume; no coroutine: its bookkeeping without the "
-          "coroutine; all timed with distgrad.)")
+    print(f"\n(distgrad: backward_mode {a.backward_mode}. floor: floor_edit, the leanest "
+          "greenlet coroutine read+edit; no coroutine: its bookkeeping without the coroutine; "
+          "both timed with distgrad imported.)")
     return 0 if ok and floor_ok else 1
 
 

@@ -30,8 +30,9 @@ from collections import OrderedDict
 import torch
 from torch.utils import checkpoint as _torch_checkpoint
 
-from ..torch_internals import (closure_cells, forward_hooks, forward_pre_hooks, grad_enabled,
-                               new_hook_id, pre_hooks_with_kwargs, top_saved_tensor_hooks)
+from ..torch_internals import (closure_cells, grad_enabled, new_hook_id, pre_hooks_with_kwargs,
+                               top_saved_tensor_hooks)
+from .kinds import KINDS
 
 _REENTRANT_FORWARD = _torch_checkpoint.CheckpointFunction.forward.__code__
 _FORWARD_PACK = "_checkpoint_hook.__init__.<locals>.pack_hook"
@@ -168,13 +169,11 @@ class Replay:
         self.position = position
         self.value = _copy(reply)
         self.served: set = set()  # backward ids whose recompute got the value
-        module, hid = point.module, new_hook_id()
-        if point.kind == "output":
-            hooks, fire = forward_hooks(module), self._on_output
-        else:
-            hooks, fire = forward_pre_hooks(module), self._on_input
+        module, hid, kind = point.module, new_hook_id(), KINDS[point.kind]
+        hooks = kind.hooks(module)
+        if kind.with_kwargs:
             pre_hooks_with_kwargs(module)[hid] = True
-        hooks[hid] = fire
+        hooks[hid] = self._fire
         _place_after(hooks, point.hid, hid)
         weakref.finalize(frame, _remove, hooks, pre_hooks_with_kwargs(module), hid)
 
@@ -196,10 +195,8 @@ class Replay:
         self.served.add(gid)
         return True
 
-    def _on_output(self, module, args, output):
-        return _copy(self.value) if self._matches() else None
-
-    def _on_input(self, module, args, kwargs):
+    def _fire(self, module, *args):
+        """The hook: the edited value, in the recompute of this block at this call only."""
         return _copy(self.value) if self._matches() else None
 
 

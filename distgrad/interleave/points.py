@@ -11,6 +11,7 @@ import torch
 
 from ..torch_internals import add_tensor_hook, new_hook_id
 from . import checkpointing
+from .kinds import KINDS
 
 _NO_REPLY = None
 _top_saved_tensor_hooks = checkpointing.top_saved_tensor_hooks
@@ -24,14 +25,20 @@ _grad_enabled = checkpointing.grad_enabled
 
 
 class ModulePoint:
-    """A module's input (forward pre-hook) or output (forward hook)."""
+    """A module's value of one kind (``kinds.py``): its output (a forward hook) or its call's
+    arguments (a forward pre-hook)."""
 
-    __slots__ = ("session", "module", "path", "kind", "calls", "hid", "hooks", "key", "suffix")
+    __slots__ = ("session", "module", "path", "kind", "calls", "hid", "hooks", "key", "suffix",
+                 "value_of", "with_kwargs")
 
     def __init__(self, session, module: torch.nn.Module, path: str, kind: str):
         self.module = module
         self.path = path
-        self.kind = kind  # "input" or "output"
+        self.kind = kind  # a name in kinds.KINDS
+        declared = KINDS[kind]
+        self.value_of = declared.value
+        self.with_kwargs = declared.with_kwargs
+        self.hooks = declared.hooks(module)
         self.suffix = "." + kind  # for labels: "model.h[0]" + ".output"
         self.key = (id(module), kind)  # its key in a session's points
         self.hid = new_hook_id()
@@ -43,18 +50,13 @@ class ModulePoint:
         of what a plain ``.output`` read cost."""
         self.session = session
         self.calls = 0
-        module, hid = self.module, self.hid
+        hid = self.hid
+        if self.with_kwargs:
+            # torch_internals.pre_hooks_with_kwargs, inline: this runs for every point armed
+            self.module._forward_pre_hooks_with_kwargs[hid] = True
         # The bound method lives only in the module's hook dict, so that remove() leaves no
         # point -> method -> point cycle for the cycle collector.
-        if self.kind == "output":
-            # torch_internals.forward_hooks, inline: this runs for every point armed
-            self.hooks = hooks = module._forward_hooks
-            hooks[hid] = self._on_output
-        else:
-            # torch_internals.forward_pre_hooks and .pre_hooks_with_kwargs, inline (as above)
-            self.hooks = hooks = module._forward_pre_hooks
-            module._forward_pre_hooks_with_kwargs[hid] = True
-            hooks[hid] = self._on_input
+        self.hooks[hid] = self._fire
         session.points[self.key] = self
         session.installed.append(self)
 
@@ -70,10 +72,11 @@ class ModulePoint:
                 f"values in the order the forward computes them, or use {self.path}.call(i) for "
                 f"the i-th call.")
 
-    # A pipeline run names calls by microbatch (session.microbatch; -1 outside the schedule's
-    # chunks, e.g. its shape inference, which no body asks for); otherwise calls are counted.
-    # Written out in both hooks: they run on every call of every hooked module.
-    def _on_output(self, module, args, output):
+    def _fire(self, module, *args):
+        """The hook, on every call of the module: hand the value over if a body waits for this
+        call. A pipeline run names calls by microbatch (``session.microbatch``; -1 outside the
+        schedule's chunks, e.g. its shape inference, which no body asks for); otherwise calls
+        are counted."""
         session = self.session
         call = session.microbatch
         if call is None:
@@ -81,27 +84,15 @@ class ModulePoint:
             self.calls = call + 1
         key = (self, call)
         if key in session.wanted:
+            value = self.value_of(*args)
             if _top_saved_tensor_hooks(True) is None and _grad_enabled():
-                return session.hand(key, output)
-            return checkpointing.hand(self, key, output)  # perhaps a checkpointed block
-        return _NO_REPLY
-
-    def _on_input(self, module, args, kwargs):
-        session = self.session
-        call = session.microbatch
-        if call is None:
-            call = self.calls
-            self.calls = call + 1
-        key = (self, call)
-        if key in session.wanted:
-            if _top_saved_tensor_hooks(True) is None and _grad_enabled():
-                return session.hand(key, (args, kwargs))
-            return checkpointing.hand(self, key, (args, kwargs))
+                return session.hand(key, value)
+            return checkpointing.hand(self, key, value)  # perhaps a checkpointed block
         return _NO_REPLY
 
     def remove(self):
         self.hooks.pop(self.hid, None)
-        if self.kind == "input":
+        if self.with_kwargs:
             # torch_internals.pre_hooks_with_kwargs, inline: this runs for every point removed
             self.module._forward_pre_hooks_with_kwargs.pop(self.hid, None)
         self.session = None  # free to be armed again

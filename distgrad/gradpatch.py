@@ -10,8 +10,8 @@ optimizer, FSDP's post-backward, DeepSpeed's ZeRO hooks, a ``register_post_accum
 first), so it sees exactly what it would without distgrad.
 
 Why once at import and not per trace: changing a class attribute of ``torch.Tensor`` resets
-CPython's specialised bytecode for every tensor method call site, which slowed the next
-forward measurably, while the property itself adds little to a ``.grad`` access. A trace
+CPython's specialised bytecode for every tensor method call site, which makes the next
+forward slower, while the property itself adds little to a ``.grad`` access. A trace
 installs it again only if another library has put its own ``grad`` over it since
 (``patches.keep_on_top``).
 """

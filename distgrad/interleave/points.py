@@ -19,8 +19,8 @@ _grad_enabled = checkpointing.grad_enabled
 
 
 # Why not register_forward_hook / register_hook: each builds a RemovableHandle (a weakref per
-# dict, an id, a closure) and removing it walks those again - about a third of what one
-# `.output` or `.grad` read cost. A point needs only its entry in the hook dict PyTorch reads,
+# dict, an id, a closure) and removing it walks those again, a large share of what one
+# `.output` or `.grad` read costs. A point needs only its entry in the hook dict PyTorch reads,
 # so it writes that entry itself (as those methods do) and deletes it when its session closes.
 
 
@@ -46,8 +46,8 @@ class ModulePoint:
 
     def arm(self, session) -> None:
         """Install the hook for ``session`` and enter the point in the session's tables. An
-        envoy keeps its points between traces and arms them again: making a point was a third
-        of what a plain ``.output`` read cost."""
+        envoy keeps its points between traces and arms them again, because making a point is a
+        large share of what a plain ``.output`` read costs."""
         self.session = session
         self.calls = 0
         hid = self.hid

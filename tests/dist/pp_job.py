@@ -73,7 +73,8 @@ def case_read_edit(model, net, ctx, on_trace_stack=True):
     """Reads on every stage, an edit that uses another stage's value, a gradient edit that
     flows back across stages, the per-microbatch losses; all on every rank. On one thread the
     step runs on the trace's own stack, its hooks waking the bodies (engines/pipeline/direct.py);
-    ``on_trace_stack=False``: in the worker thread, the scheduler running the bodies."""
+    ``on_trace_stack=False``: in the worker thread, the bodies run in turns on the trace's stack
+    (engines/pipeline/threaded.py)."""
     import warnings
 
     import greenlet

@@ -19,4 +19,4 @@ from .deepspeed_pipe import DeepSpeedPipeEngine
 from .engine import PipelineEngine
 from .schedule_run import ScheduleRun
 
-__all__ = ["PipelineAdapter", "PipelineEngine", "DeepSpeedPipeEngine", "ScheduleRun"]
+__all__ = ["DeepSpeedPipeEngine", "PipelineAdapter", "PipelineEngine", "ScheduleRun"]

@@ -96,8 +96,7 @@ class PipelineAdapter(DistributedEngine):
     def piggyback(self, messages):
         """Make the schedule's messages on the links ``placement`` names carry ``messages``'s
         bundles (``Messages.outgoing``, ``Messages.incoming``). Returns the undo, or None where
-        no link piggybacks."""
-        return None
+        no link piggybacks (the default: none does)."""
 
     # -- the whole model's modules on this rank's stages ------------------------------------
     @property

@@ -59,9 +59,9 @@ def case_train_batch(model, net, engine, ctx):
 
 def case_rank_dependent(model, net, engine, ctx):
     """Only the last stage asks for stage 0's layers[1] output. DeepSpeed's messages carry no
-    batch of distgrad's, so the last stage waits for one that stage 0 never sends, while stage 0
+    bundle of distgrad's, so the last stage waits for one that stage 0 never sends, while stage 0
     waits in train_batch for the last stage's gradients. The last stage asks where stage 0 is,
-    learns it has sent that batch without the value, and raises; stage 0 hears of it."""
+    learns it has sent that bundle without the value, and raises; stage 0 hears of it."""
     m = ctx["m"]
     x, y = batch()
     micro = list(zip(x.chunk(m), y.chunk(m)))

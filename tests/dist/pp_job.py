@@ -182,7 +182,7 @@ def case_after_loss(model, net, ctx):
 
 def case_grad_order(model, net, ctx):
     """Two gradients of one stage in forward order: its owner passes the second before the body
-    asks for it, so the batch it sends lacks it; the rank waiting for it raises instead of
+    asks for it, so the bundle it sends lacks it; the rank waiting for it raises instead of
     hanging (its owner cannot end the step while it waits)."""
     x, y = batch()
 

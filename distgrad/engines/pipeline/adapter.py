@@ -59,8 +59,9 @@ class PipelineAdapter(DistributedEngine):
         table = [None] * self.job_world
         dist.all_gather_object(table, (names_of, self.can_piggyback()))
         self.stage_of_name = {n: s for ns, _ in table for s, names in ns.items() for n in names}
-        self.placement = Placement(self.job_rank, {r: sorted(ns) for r, (ns, _) in enumerate(table)},
-                                   num_stages, {r: can for r, (_, can) in enumerate(table)})
+        stages_of_rank = {r: sorted(ns) for r, (ns, _) in enumerate(table)}
+        can_piggyback = {r: can for r, (_, can) in enumerate(table)}
+        self.placement = Placement(self.job_rank, stages_of_rank, num_stages, can_piggyback)
         # The placement is checked here, from the table every rank holds, so that every rank
         # raises alike: a rank refusing before the all_gather would leave the others in it.
         refusal = self.placement.refusal()

@@ -30,8 +30,10 @@ from ..ranks.agreement import ask
 
 class RequestCheck:
     """One trace's records of what its bodies asked of each rank and owe it, compared across
-    ranks when the step ends. ``Messages`` reports to it what it queues, sends and is asked
-    for; ``engine``: the ``PipelineAdapter`` (its store, failure key and trace number)."""
+    ranks when the step ends. ``Messages`` reports to it the values it queues and the bundles
+    it sends, ``Waits`` each value a body asks another rank for; ``engine``: the
+    ``PipelineAdapter`` (its store, failure key and trace number); ``channel``: its gloo group
+    for distgrad's own messages."""
 
     def __init__(self, engine, channel):
         self.engine, self.channel = engine, channel
@@ -47,7 +49,7 @@ class RequestCheck:
         self.numbers = None       # this rank's numbers, once sent (start)
         self.sends: list = []     # the sends of those numbers
 
-    # -- what Messages reports ----------------------------------------------------------------
+    # -- what Messages and Waits report -------------------------------------------------------
     def owe(self, dst: int, tag: int) -> None:
         """A value ``tag`` is queued for ``dst``."""
         self.owed_to.setdefault(dst, []).append(tag)

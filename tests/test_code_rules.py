@@ -282,3 +282,29 @@ def test_imports_go_down():
         for m in done:
             del left[m]
     assert not left, f"modules that import one another in a circle: {sorted(left)}"
+
+
+# distgrad/engines/pipeline/: which of its modules each may import, typing-only imports
+# included. The run and its parts read the engine only through adapter.py's declarations; the
+# engines build the run (schedule_run.py) and hand it themselves, so data flows down.
+PIPELINE_LAYERS = {"placement": set(), "value_stages": set(), "checks": set(), "messages": set(),
+                   "waits": set(), "body_requests": set(), "direct": set(), "threaded": set(),
+                   "adapter": {"placement"},
+                   "schedule_run": {"adapter", "body_requests", "checks", "direct", "messages",
+                                    "threaded", "value_stages", "waits"},
+                   "engine": {"adapter", "schedule_run"},
+                   "deepspeed_pipe": {"adapter", "schedule_run"},
+                   "__init__": {"adapter", "deepspeed_pipe", "engine", "schedule_run"}}
+
+
+def test_pipeline_imports_go_down():
+    folder = PACKAGE / "engines" / "pipeline"
+    assert sorted(path.stem for path in folder.glob("*.py")) == sorted(PIPELINE_LAYERS)
+    upward = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = {node.module} if node.module else {a.name for a in node.names}
+                upward += [f"engines/pipeline/{path.name} imports {name}"
+                           for name in sorted(names - PIPELINE_LAYERS[path.stem])]
+    assert not upward, "imports against engines/pipeline's layers:\n" + "\n".join(upward)

@@ -63,7 +63,7 @@ def test_unsupported_schedules_and_placements_are_refused_at_wrap(tmp_path):
 
 
 def test_values_larger_than_one_message(tmp_path):
-    """[4, 2048] fp32 values (32 KiB): a batch of two of them (stage 0's outputs for stage 1)
+    """[4, 2048] fp32 values (32 KiB): a bundle of two of them (stage 0's outputs for stage 1)
     is longer than a first message carries and sends the rest in a second one."""
     for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, width=2048)):
         for case in _ALL:
@@ -97,9 +97,9 @@ def test_four_stages_on_four_ranks(tmp_path):
 @pytest.mark.slow
 def test_rank_dependent_request_to_a_far_stage_raises(tmp_path):
     """Four stages; only rank 2 asks for a value of stage 0, which is not its neighbour, so the
-    batch would be a message of its own (not on the schedule's). Stage 0 never sends it and
+    bundle would be a message of its own (not on the schedule's). Stage 0 never sends it and
     waits in the schedule; rank 2 asks where stage 0 is after one failure timeout, learns the
-    batch went without the value and raises; every other rank hears of it."""
+    bundle went without the value and raises; every other rank hears of it."""
     for rank, result in enumerate(_job(tmp_path, "1f1b", 4, 4, cases="rank_dependent_far")):
         assert result.get("case_rank_dependent_far") == "ok", \
             f"rank {rank}:\n{result.get('case_rank_dependent_far')}"
@@ -184,10 +184,10 @@ def test_deepspeed_pipeline_engine_in_a_worker_thread(tmp_path):
 
 
 def test_deepspeed_pipeline_rank_dependent_request_raises(tmp_path):
-    """Only the last stage asks for a stage-0 value, and DeepSpeed's messages carry no batch of
+    """Only the last stage asks for a stage-0 value, and DeepSpeed's messages carry no bundle of
     distgrad's: the last stage waits for one that never comes while stage 0 waits in
     train_batch for it. It asks where stage 0 is after one failure timeout (3 s), learns that
-    the batch went without the value, and raises TraceStateError; stage 0 hears of it. (Before,
+    the bundle went without the value, and raises TraceStateError; stage 0 hears of it. (Before,
     both waited for gloo's 30-minute timeout.)"""
     job = str(Path(__file__).parent / "dist" / "ds_pipe_job.py")
     procs = run_ranks([job, "--microbatches", "2", "--out", str(tmp_path),
@@ -203,7 +203,7 @@ def test_values_keep_dtype_shape_and_bytes_between_stages():
     value comes back with its dtype, shape, bytes and requires_grad, whichever path it took
     (contiguous host tensors: their bytes where they lie, a storage offset included; strided
     ones: numpy's; conjugate and negative views: the general one), and as a tensor of its own,
-    not a view of the batch's reused buffer."""
+    not a view of the bundle's reused buffer."""
     import torch
     from distgrad.engines.pipeline.messages import _entry, _pack, _values
 
@@ -215,8 +215,8 @@ def test_values_keep_dtype_shape_and_bytes_between_stages():
             torch.arange(7), cplx.conj(), cplx.conj().imag,  # conjugate and negative views
             (base * 1).requires_grad_(True)]
     assert sent[11].is_neg() and sent[1].storage_offset() > 0
-    batch = _pack([_entry(t, tag) for tag, t in enumerate(sent)])
-    view = memoryview(batch)
+    bundle = _pack([_entry(t, tag) for tag, t in enumerate(sent)])
+    view = memoryview(bundle)
     got = _values(view, len(sent), torch.device("cpu"))
     assert [tag for tag, _ in got] == list(range(len(sent)))
     for (_, value), original in zip(got, sent):
@@ -225,6 +225,6 @@ def test_values_keep_dtype_shape_and_bytes_between_stages():
         assert value.requires_grad == original.requires_grad
         if value.requires_grad:
             assert value.grad_fn is not None  # a non-leaf: the body may edit it in place
-    batch[:] = bytes(len(batch))  # the receive buffer is reused for the next batch
+    bundle[:] = bytes(len(bundle))  # the receive buffer is reused for the next bundle
     for (_, value), original in zip(got, sent):
         assert torch.equal(value.detach(), original.detach().resolve_conj())

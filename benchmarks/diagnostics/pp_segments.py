@@ -9,8 +9,8 @@ distgrad's path (``docs/performance.md``). Each stage's part of that path is ste
 times, with ``time.thread_time`` (CPU of the rank's main thread) around each call, the schedule's
 chunks (the stage's forward and backward, with the hooks and the bodies woken in them), its
 message posts and waits, and distgrad's own pieces: values packed onto the schedule's messages
-(``outgoing``), unpacked from them (``arrived``), the bodies woken at chunk events, the ``"end"``
-batches and the end-of-step check. Rank 0 prints, per rank and variant, the median over steps
+(``outgoing``), unpacked from them (``arrived``), the bodies woken at action events, the ``"end"``
+bundles and the end-of-step check. Rank 0 prints, per rank and variant, the median over steps
 of each segment's sum in a step, and the step's wall time from the barrier. CPU equals wall
 time here except in the waits; a wait is where a rank idles until the other stage's message.
 
@@ -44,11 +44,11 @@ SEGMENTS = [  # (owner, attribute, segment)
     (messages.Messages, "outgoing", "values packed onto messages"),
     (messages.Messages, "incoming", "room for values in receives"),
     (messages.Messages, "arrived", "values unpacked"),
-    (direct.DirectSteps, "_hand_direct", "bodies woken by hooks"),
-    (direct.DirectSteps, "_event_direct", "bodies woken at chunk events"),
-    (messages.Messages, "flush", "batches sent"),
-    (checks.RequestChecks, "start_check", "end-of-step check sent"),
-    (checks.RequestChecks, "_wait_for_batch", "waits for a batch"),
+    (direct.DirectStep, "hand", "bodies woken by hooks"),
+    (direct.DirectStep, "event", "bodies woken at action events"),
+    (messages.Messages, "flush", "bundles sent"),
+    (checks.RequestCheck, "start", "end-of-step check sent"),
+    (checks.RequestCheck, "wait_for_bundle", "waits for a bundle"),
     (messages.Messages, "finish", "end of the trace (check, sends done)"),
 ]
 

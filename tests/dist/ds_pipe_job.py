@@ -59,9 +59,9 @@ def case_train_batch(model, net, engine, ctx):
 
 def case_rank_dependent(model, net, engine, ctx):
     """Only the last stage asks for stage 0's layers[1] output. DeepSpeed's messages carry no
-    batch of distgrad's, so the last stage waits for one that stage 0 never sends, while stage 0
+    bundle of distgrad's, so the last stage waits for one that stage 0 never sends, while stage 0
     waits in train_batch for the last stage's gradients. The last stage asks where stage 0 is,
-    learns it has sent that batch without the value, and raises; stage 0 hears of it."""
+    learns it has sent that bundle without the value, and raises; stage 0 hears of it."""
     m = ctx["m"]
     x, y = batch()
     micro = list(zip(x.chunk(m), y.chunk(m)))
@@ -82,7 +82,7 @@ def full_weights(model, net):
     engine = model._engine
     whole = copy.deepcopy(net)
     for i, layer in enumerate(whole.layers):
-        owner = engine.rank_of_stage[engine.stage_of_name[f"layers.{i}"]]
+        owner = engine.placement.rank_of_stage[engine.stage_of_name[f"layers.{i}"]]
         for param in layer.parameters():
             dist.broadcast(param.data, src=owner)
     return whole
@@ -131,7 +131,8 @@ def case_flow(model, net, engine, ctx):
     before = hooks_on(net)
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)) for _ in range(2)]
-    owner = torch.tensor([model._engine.rank_of_stage[model._engine.stage_of_name[f"layers.{i}"]]
+    adapter = model._engine
+    owner = torch.tensor([adapter.placement.rank_of_stage[adapter.stage_of_name[f"layers.{i}"]]
                           for i in range(len(net.layers))])
     with distgrad.flow.Recorder(model, layers="layers") as flow:
         for step, (x, y) in enumerate(batches):

@@ -56,7 +56,7 @@ def case_flow(model, net, ctx):
     assert flow.run.layers == [f"layers.{i}" for i in range(len(net.layers))], flow.run.layers
     near(record["activation_global"], acts, "global activation norms")
     near(record["param_global"], params, "global parameter norms")
-    owner = [model._engine.rank_of_stage[model._engine.stage_of_name[path]]
+    owner = [model._engine.placement.rank_of_stage[model._engine.stage_of_name[path]]
              for path in flow.run.layers]
     for r in range(world):
         near(record["activation"][r], torch.where(torch.tensor(owner) == r, acts, 0.0),

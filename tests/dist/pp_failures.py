@@ -29,9 +29,9 @@ def case_rank_dependent(model, net, ctx):
 
 def case_rank_dependent_far(model, net, ctx):
     """Four stages: only rank 2 asks for stage 0's layers[0] output. Stage 0 is not its
-    neighbour, so that batch would come on a message of its own, not on the schedule's; stage 0
+    neighbour, so that bundle would come on a message of its own, not on the schedule's; stage 0
     never sends it and goes on to wait in the schedule. Rank 2 asks where stage 0 is (stage 0's
-    failure watcher answers), learns the batch went without the value, and raises; the others
+    failure watcher answers), learns the bundle went without the value, and raises; the others
     hear of it instead of waiting for gloo's timeout."""
     x, y = ctx["batch"]()
 
@@ -64,7 +64,7 @@ def slow_last_backward(net, ctx, seconds: float):
 def slow_last_body(ctx, seconds: float):
     """A function for the body to call once per microbatch: on rank 0 the last microbatch's call
     sleeps ``seconds``. Called after the body's last request, it holds back the values stage 0
-    sends the other ranks when its bodies are done (the "end" batches)."""
+    sends the other ranks when its bodies are done (the "end" bundles)."""
     import time
     calls = []
 
@@ -114,7 +114,7 @@ def case_slow_owner(model, net, ctx):
 
 
 def case_rank_dependent_grad(model, net, ctx):
-    """Only the last stage asks for stage 0's gradient: it waits for a batch stage 0 never
+    """Only the last stage asks for stage 0's gradient: it waits for a bundle stage 0 never
     sends; it raises once stage 0 has ended its step and said what it sent, and stage 0 hears.
     Stage 0 is slow, so the last stage waits longer than the failure timeout before stage 0
     has said anything."""

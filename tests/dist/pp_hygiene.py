@@ -17,7 +17,7 @@ from cases import close  # noqa: E402
 
 
 # what a trace patches on a stage or the schedule for its duration (PipelineEngine.instrument
-# and carry): instance attributes over the class's methods
+# and piggyback): instance attributes over the class's methods
 _PATCHED = {"forward_one_chunk", "backward_one_chunk", "get_fwd_send_ops", "get_fwd_recv_ops",
             "get_bwd_send_ops", "get_bwd_recv_ops", "_maybe_compute_loss"}
 
@@ -36,7 +36,7 @@ def footprint(model, net, ctx) -> dict:
                          len(m._backward_hooks) for m in modules),
             "patched": sorted(n for o in owners for n in vars(o) if n in _PATCHED),
             "bodies": len(BODIES), "threads": threading.active_count(),
-            "answering": len(engine.answering), "receive buffers": len(engine.carry_room),
+            "answering": len(engine.answering), "receive buffers": len(engine.piggyback_buffers),
             "idle runners": len(getattr(_idle, "runners", ()))}
 
 

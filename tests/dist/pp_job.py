@@ -73,7 +73,8 @@ def case_read_edit(model, net, ctx, on_trace_stack=True):
     """Reads on every stage, an edit that uses another stage's value, a gradient edit that
     flows back across stages, the per-microbatch losses; all on every rank. On one thread the
     step runs on the trace's own stack, its hooks waking the bodies (engines/pipeline/direct.py);
-    ``on_trace_stack=False``: in the worker thread, the scheduler running the bodies."""
+    ``on_trace_stack=False``: in the worker thread, the bodies run in turns on the trace's stack
+    (engines/pipeline/threaded.py)."""
     import warnings
 
     import greenlet
@@ -181,7 +182,7 @@ def case_after_loss(model, net, ctx):
 
 def case_grad_order(model, net, ctx):
     """Two gradients of one stage in forward order: its owner passes the second before the body
-    asks for it, so the batch it sends lacks it; the rank waiting for it raises instead of
+    asks for it, so the bundle it sends lacks it; the rank waiting for it raises instead of
     hanging (its owner cannot end the step while it waits)."""
     x, y = batch()
 

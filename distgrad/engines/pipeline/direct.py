@@ -1,42 +1,50 @@
-"""The pipeline step on the trace's own stack: the hook or chunk event that produces what a body
-waits for wakes that body in place (a mixin of ``PipelineRun``, ``run.py``).
+"""The pipeline step on the trace's own stack (one thread): the hook or action event that
+produces what a body waits for wakes that body in place (``DirectStep``; on a CUDA backward,
+``threaded.py`` runs the step instead).
 
-The scheduler loop of ``PipelineRun._schedule`` runs the step in a greenlet of its own and
-pauses it at every value a body waits for, so each pause crossed the scheduler twice: four
-greenlet switches and a turn of the loop. Here the step runs where the trace is (fewer
-bytecodes a value, as ``benchmarks/diagnostics/pp_bytecodes_ranks.py`` counts), and:
+The step runs where the trace is, so a value reaches its body with one greenlet switch into the
+body and one back, and no scheduler loop between them:
 
-* a hook that fires with a wanted value (``Session.hand``, replaced by ``_hand_direct``) gives
-  it to the body that waits, switches into the body until it asks for its next value, and
+* a hook that fires with a wanted value calls ``DirectStep.hand`` (the hand-off the step's
+  session is built with), which gives it to the body that waits, switches into the body until it asks for its next value, and
   returns the body's reply to the schedule;
-* a chunk event delivers the other stages' values due then to the bodies that wait for them,
+* an action event delivers the other stages' values due then to the bodies that wait for them,
   and wakes the body whose local value has passed (it raises);
-* when the last body ends, mid-step, the ``"end"`` batches go and the end-of-step check starts,
-  as the scheduler did;
+* when the last body ends, mid-step, the ``"end"`` bundles go and the end-of-step check starts
+  (``Messages.bodies_done``), so that the peers waiting for them need not wait for this step;
 * a body's exception unwinds the step as ``Abort`` (a ``BaseException``: the interleaved
   schedules log and re-raise every ``Exception``) and is raised again from the trace.
 
 Only on one thread: on CUDA the backward calls hooks on autograd's device threads, which cannot
-switch into a greenlet of the trace's thread, so there ``PipelineRun`` keeps the scheduler.
+switch into a greenlet of the trace's thread.
 """
 from __future__ import annotations
 
 import greenlet
 
 from ...interleave.transports import Abort
-from ...interleave.session import BODIES, Stop
+from ...interleave.session import BODIES, Session, Stop
 
 _getcurrent = greenlet.getcurrent
 
 
-class DirectSteps:
-    """``PipelineRun``'s step with the bodies woken by the hooks; see the module text."""
+class DirectStep:
+    """One trace's step on this stack, its bodies woken by the hooks; see the module text.
+    It builds the forward ``session`` of the step, whose hooks call ``hand``. Given: the
+    step (``run_step``, a function of nothing, run here), the ``bodies``, the bodies'
+    ``runners``, the ``messages`` and the ``waits`` (``waits.py``)."""
 
-    def _run_direct(self, bodies, runners, args, kwargs) -> None:
-        session, messages = self.session, self.messages
-        self.runners, self.main = runners, _getcurrent()
-        self.body_error, self.checked = None, False
-        session.hand = self._hand_direct
+    def __init__(self, run_step, bodies, runners, messages, waits):
+        self.session = Session("forward", run_step, bodies, hand=self.hand)
+        self.runners, self.messages, self.waits = runners, messages, waits
+        self.remote, self.deadlines = waits.remote, waits.deadlines
+        self.step = run_step
+        self.main = _getcurrent()  # the trace's greenlet, where the step runs
+        self.body_error = None     # a body's exception, while it unwinds the step as Abort
+        self.bodies_finished = False
+
+    def run(self, bodies) -> None:
+        session, messages, runners = self.session, self.messages, self.runners
         for body in bodies:  # each runs to its first request
             self._wake(body)
         # The trace's own body is registered for this greenlet (trace.py); while the step runs
@@ -46,7 +54,7 @@ class DirectSteps:
         trace_body = BODIES.pop(self.main, None)
         error = None
         try:
-            self.engine.run_step(args, kwargs)
+            self.step()
         except Abort:
             error, self.body_error = self.body_error, None
             if error is None:
@@ -57,22 +65,22 @@ class DirectSteps:
             session.finished = True
         if error is not None:  # raised here, outside the handler: its own cause and context
             raise error
-        # The step is over: this rank's "end" batches go before any body waits for a peer's
+        # The step is over: this rank's "end" bundles go before any body waits for a peer's
         # (no cycle between ranks), then the bodies that wait for "end" take theirs, and any
         # body still waiting asked for something the step never produced: it raises.
-        self.fired.add("end")
-        if "end" not in messages.sent:
+        self.waits.passed.add("end")
+        if "end" not in messages.flushed:
             messages.flush("end")
-        if "end" in self.waiting:
-            self._deliver("end", self._wake)
+        if "end" in self.remote:
+            self.waits.deliver("end", self._wake)
         for body in bodies:
             if runners.live(body):
                 body.remote_value = None
                 self._wake(body)
-        if not self.checked:
+        if not self.bodies_finished:
             self._bodies_done()
 
-    def _hand_direct(self, key, value):
+    def hand(self, key, value):
         """``Session.hand`` for this step: the value to the bodies waiting for ``key``, and
         their reply back to the hook."""
         if _getcurrent() is not self.main:
@@ -100,31 +108,30 @@ class DirectSteps:
         session.served = served
         return session.bodies_reply()
 
-    def _event_direct(self, key) -> None:
-        """At a chunk event: deliver the values due, and wake a body whose value has passed."""
+    def event(self, key) -> None:
+        """At an action event (passed already): deliver the values due, and wake a body whose
+        value has passed."""
+        remote = self.remote
+        if key not in remote and key not in self.deadlines:
+            return
         try:
-            if key in self.waiting:
-                self._deliver(key, self._wake)
-            body = self.marks.get(key)
+            if key in remote:
+                self.waits.deliver(key, self._wake)
+            body = self.deadlines.get(key)
             if body is not None:
                 self._wake(body)
         except Abort:
             raise
-        except BaseException as exc:  # a body's, or a delivery's: as in _hand_direct
+        except BaseException as exc:  # a body's, or a delivery's: as in hand
             self.body_error = exc
             raise Abort() from None
 
     def _wake(self, body) -> None:
         runners = self.runners
         runners.wake(body)  # an exception of the body is raised here
-        if not runners.todo and not self.checked:
+        if not runners.todo and not self.bodies_finished:
             self._bodies_done()
 
     def _bodies_done(self) -> None:
-        """Every request is made, so nothing more joins the ``"end"`` batches: they go now, not
-        when the step ends, since a peer's bodies and its part of the check wait for them. Then
-        the check of the requests, which travels while the step runs on."""
-        self.checked = True
-        if "end" not in self.messages.sent:
-            self.messages.flush("end")
-        self.messages.start_check()
+        self.bodies_finished = True
+        self.messages.bodies_done()

@@ -1,8 +1,7 @@
 """What a pipeline body asks for (``.output``/``.input``, ``tr.loss``, ``.grad``, the backward
 block) and where each value comes from: this rank's own stage, paused at the value, or the rank
-whose stage runs it, waited for. A mixin of ``PipelineRun`` (``run.py``), which holds
-the state these methods read: the session, the messages, the events fired and the bodies'
-waits."""
+whose stage runs it, waited for (``waits.py``). Each body of a microbatch holds the
+``BodyRequests`` of its trace (``Body.requests``)."""
 from __future__ import annotations
 
 import dis
@@ -13,12 +12,45 @@ import torch
 from ...envoy import Envoy
 from ...errors import GradientError, OutOfOrderError, TraceStateError
 from ...interleave.requests import Requests
-from ...interleave.session import Stop
+from ...interleave.session import Body, Stop
+
+
+class MicrobatchBody(Body):
+    """The body of one microbatch, and where it is in the step."""
+
+    def __init__(self, requests, index: int, scheduler):
+        super().__init__(requests, index=index, scheduler=scheduler)
+        self.seq = 0          # values tagged for this body so far
+        self.last_stage = -1  # the latest stage whose forward value it read
+        self.grad_stage = None  # the stage of the latest gradient it read
+        self.loss = None      # tr.loss, once read
+        # the module value it read last, while it asks for nothing else: (module id and
+        # kind, the stop's assignment then, the stop) (BodyRequests.module_value)
+        self.last_read = None
+        # while it waits for a local forward value or loss: the event after which that value
+        # has passed (waits.py), else None
+        self.deadline = None
+        self.remote_value = None  # a value received from another rank, until the body takes it
 
 
 class BodyRequests(Requests):
-    """The requests of ``PipelineRun``'s bodies; see the module text. The backward block
-    opens on ``tr.loss`` and the schedule runs the backward: closing it asks for nothing."""
+    """The requests of one trace's microbatch bodies; see the module text. The backward block
+    opens on ``tr.loss`` and the schedule runs the backward: closing it asks for nothing.
+
+    Given when built: ``engine``, the ``PipelineAdapter`` (the stage of a module, this rank's
+    module for it); ``messages``, where values go (``messages.py``); ``waits``, the events
+    passed and the bodies waiting; ``value_stages``, the stage of each value handed to a body
+    (``value_stages.py``); ``loss_point``, where the last stage hands over a microbatch's loss.
+    The run sets ``session`` once the bodies exist (the session needs them, and they this)."""
+
+    def __init__(self, engine, messages, waits, value_stages, loss_point):
+        self.engine, self.messages, self.waits = engine, messages, waits
+        self.value_stages, self.loss_point = value_stages, loss_point
+        self.placement = placement = engine.placement
+        self.my_stages, self.other_ranks = placement.my_stages, placement.other_ranks
+        self.rank_of_stage, self.last_stage = placement.rank_of_stage, placement.last_stage
+        self.passed, self.deadlines = waits.passed, waits.deadlines
+        self.session = None
 
     def module_value(self, body, envoy, kind: str):
         engine, session = self.engine, self.session
@@ -30,39 +62,40 @@ class BodyRequests(Requests):
         if body.block is not None or body.loss is not None:
             raise OutOfOrderError(f"{path}.{kind} was requested after tr.loss; read forward "
                                   f"values before tr.loss and `with tr.loss.backward():`.")
-        if kind == "input" and self.others and not _reads_first_input():
+        if kind == "input" and self.other_ranks and not _reads_first_input():
             raise TypeError(_INPUTS.format(path=path))
         self._in_order(body, stage, True, path, "." + kind)
         # Still at this value (the body asked for nothing else since it last read it): the
         # read is answered from the same stop on every rank, as on one process, so an in-place
         # edit made since is seen here as there and nothing is sent. Assigned since (`x.output
         # = ...`, on every rank alike): the owner sends what its read returns now.
-        at = (id(module), kind)
-        last = body.at
-        again = last is not None and last[0] == at
+        read = (id(module), kind)
+        last = body.last_read
+        again = last is not None and last[0] == read
         if again and last[2].replacement is last[1]:
             return last[2]
         body.seq += 1
         tag = body.index * 100_000 + body.seq
-        if stage not in self.mine:
-            value = self._wait_remote(body, self._moment(stage, body.index, True),
-                                      engine.rank_of_stage[stage], tag)
+        if stage not in self.my_stages:
+            value = self.waits.wait_remote(body, self.placement.receive_action(
+                stage, body.index, True), self.rank_of_stage[stage], tag)
             stop = last[2] if again else Stop(("remote", tag), _as_read(value, kind), None, kind,
                                                0, None)
             if again:  # the body's own assignment, unless the owner's numbers differ from it
                 value = self._own_or_received(stop, value, kind)
             self._remember_remote(value, stage, body.index, f"{path}.{kind}")
-            body.at = (at, stop.replacement, stop)
+            body.last_read = (read, stop.replacement, stop)
             return stop
-        if ("F-end", stage, body.index) in self.fired:
+        if ("F-end", stage, body.index) in self.passed:
             raise OutOfOrderError(_passed(path, kind))
-        module = engine.local[id(module)]
+        module = engine.stage_module(module)
         point = session.points.get((id(module), kind))
         if point is None:
             point = session.module_point(module, path, kind)
             for outer in envoy._ancestors():
                 if engine.owns(outer._module):
-                    session.module_point(engine.local[id(outer._module)], outer._path, "output")
+                    session.module_point(engine.stage_module(outer._module), outer._path,
+                                         "output")
         stop = self._request_local(body, (point, body.index), ("F-end", stage, body.index),
                                    lambda: _passed(path, kind))
         # what this read returns: the value, or what the body assigned; of a call's
@@ -70,23 +103,24 @@ class BodyRequests(Requests):
         value = stop.value()
         if kind == "input":
             value = first_argument(value, path)
-        if len(self.mine) > 1:  # (with one stage, grad() finds it without this entry)
-            self.stage_of[id(value)] = (value, stage)
+        if len(self.my_stages) > 1:  # (with one stage, grad() finds it without this entry)
+            self.value_stages.note(value, stage)
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 # another stage of this rank may use it in an edit
-                self._note_reach(value, f"{path}.{kind}", stage, body.index)
-        # its bytes as they are now (messages._entry): an in-place edit the body
+                self.value_stages.watch(value, f"{path}.{kind}", stage, body.index)
+        # its bytes as they are now (messages.py): an in-place edit the body
         # makes next, every other rank makes on its copy too
         self._send(value, tag, body.index, True, stage)
-        body.at = (at, stop.replacement, stop)
+        body.last_read = (read, stop.replacement, stop)
         return stop
 
     def _remember_remote(self, value, stage: int, microbatch: int, label: str) -> None:
         """A value of another rank's ``stage`` handed to the body: its gradient comes from
         there, and (of an earlier stage) no backward of this rank may reach it."""
-        self.stage_of[id(value)] = (value, stage)
-        if self._moment(stage, microbatch, True)[0] == "F" and value.requires_grad:
-            self._note_reach(value, label, stage, microbatch)
+        self.value_stages.note(value, stage)
+        if self.placement.receive_action(stage, microbatch, True)[0] == "F" and \
+                value.requires_grad:
+            self.value_stages.watch(value, label, stage, microbatch)
 
     def _own_or_received(self, stop, value, kind: str):
         """After an assignment, the owner's value read back (``value``) for ``stop``, this
@@ -106,25 +140,24 @@ class BodyRequests(Requests):
         return value
 
     def loss(self, body):
-        engine = self.engine
-        body.at = None
+        last = self.last_stage
+        body.last_read = None
         body.seq += 1
         tag = body.index * 100_000 + body.seq
         # read as `with tr.loss.backward():` (frame 2: the body) the value reaches nothing the
         # body can see: the block opens on a stand-in (the schedule runs the real backward)
         if only_opens_block(sys._getframe(2)):  # every rank: none waits, none sends
             value = _STAND_IN
-        elif engine.last_stage not in self.mine:
-            last = engine.last_stage
-            event = self._moment(last, body.index, True)
-            value = self._wait_remote(body, event, engine.rank_of_stage[last], tag)
+        elif last not in self.my_stages:
+            action = self.placement.receive_action(last, body.index, True)
+            value = self.waits.wait_remote(body, action, self.rank_of_stage[last], tag)
         else:
-            if ("B", engine.last_stage, body.index) in self.fired:
+            if ("B", last, body.index) in self.passed:
                 raise OutOfOrderError(_LATE_LOSS)
             stop = self._request_local(body, (self.loss_point, body.index),
-                                       ("B", engine.last_stage, body.index), lambda: _LATE_LOSS)
+                                       ("B", last, body.index), lambda: _LATE_LOSS)
             value = stop.view
-            self._send(value, tag, body.index, True, engine.last_stage)
+            self._send(value, tag, body.index, True, last)
         body.loss = value
         return value
 
@@ -135,26 +168,24 @@ class BodyRequests(Requests):
         body.block = block
 
     def grad(self, body, tensor):
-        engine, session = self.engine, self.session
-        entry = self.stage_of.get(id(tensor))
-        if entry is not None and entry[0] is tensor:
-            stage = entry[1]
-        else:  # a tensor the body made: the latest stage of this rank it read values of
-            stage = max((s for s in self.mine if s <= body.last_stage), default=self.mine[0])
+        session, my_stages = self.session, self.my_stages
+        stage = self.value_stages.stage_of(tensor)
+        if stage is None:  # a tensor the body made: the latest stage of this rank it read values of
+            stage = max((s for s in my_stages if s <= body.last_stage), default=my_stages[0])
         self._in_order(body, stage, False, tensor, ".grad")
-        body.at = None
+        body.last_read = None
         body.seq += 1
         tag = body.index * 100_000 + body.seq
-        if stage not in self.mine:
-            event = self._moment(stage, body.index, False)
-            value = self._wait_remote(body, event, engine.rank_of_stage[stage], tag)
+        if stage not in my_stages:
+            action = self.placement.receive_action(stage, body.index, False)
+            value = self.waits.wait_remote(body, action, self.rank_of_stage[stage], tag)
             # the body is "at" this gradient now, as its owner is: `t.grad = t.grad * 2` reads
             # and writes this one stop on every rank alike
             body.stop = Stop(("remote", tag), value, None, "grad", 0, None, tensor)
             return body.stop
         if not tensor.requires_grad:
-            raise GradientError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
-                             f"it does not require grad.")
+            raise GradientError(f"{body.label_of(tensor)}.grad: no gradient flows into it, "
+                                f"because it does not require grad.")
         point = session.grad_point(tensor)
         stop = session.request(body, (point, point.calls), lambda: (
             f"{body.label_of(tensor)}.grad was requested after this stage's backward had passed "
@@ -162,41 +193,22 @@ class BodyRequests(Requests):
         self._send(stop.view, tag, body.index, False, stage)
         return stop
 
-    def _request_local(self, body, key, passed_at, passed_message):
+    def _request_local(self, body, key, deadline, passed_message):
         """A forward value (or loss) of this rank's stage: the session's request, with the
-        event after which it has passed marked on the body while it waits (the scheduler's
-        marks read it; a stale mark would wake the body at the wrong event later)."""
-        body.passed_at = passed_at
-        self.marks[passed_at] = body  # (the direct step's marks: direct.py)
+        event after which it has passed as the body's deadline while it waits (waits.py; a
+        deadline left behind would wake the body at the wrong event later)."""
+        body.deadline = deadline
+        self.deadlines[deadline] = body
         try:
             return self.session.request(body, key, passed_message)
         finally:
-            body.passed_at = None
-            self.marks.pop(passed_at, None)
+            body.deadline = None
+            self.deadlines.pop(deadline, None)
 
     def _send(self, value, tag: int, microbatch: int, forward: bool, stage: int) -> None:
-        """Queue a value of this rank's ``stage`` for every other rank, in the batch of the
-        moment that rank takes it (the module text of ``engine.py``)."""
-        self.messages.send(value, tag, self._keys(microbatch, forward, stage))
-
-    def _moment(self, stage: int, microbatch: int, forward: bool):
-        """The batch key under which this rank takes a value of another rank's ``stage``
-        (``moment``), kept across traces: the placement fixes it."""
-        kept = self.engine.my_moments
-        key = kept.get((stage, microbatch, forward))
-        if key is None:
-            key = kept[(stage, microbatch, forward)] = moment(self.mine, stage, microbatch,
-                                                              forward)
-        return key
-
-    def _keys(self, microbatch: int, forward: bool, stage: int) -> dict:
-        """``{rank: the batch key}`` of a forward value (or gradient) of ``stage``."""
-        kept = self.engine.batch_keys  # fixed by the placement: kept across traces
-        keys = kept.get((microbatch, forward, stage))
-        if keys is None:  # the same for every value of this microbatch, direction and stage
-            keys = kept[(microbatch, forward, stage)] = {
-                dst: moment(theirs, stage, microbatch, forward) for dst, theirs in self.others}
-        return keys
+        """Queue a value of this rank's ``stage`` for every other rank, in its bundle for the
+        action at which that rank takes it (``placement.py``)."""
+        self.messages.send(value, tag, self.placement.send_actions(microbatch, forward, stage))
 
     def _in_order(self, body, stage: int, forward: bool, named, kind: str) -> None:
         """``named``: the module path, or the tensor whose label words the error."""
@@ -205,32 +217,13 @@ class BodyRequests(Requests):
                 body.grad_stage is not None and stage > body.grad_stage:
             what = (named if isinstance(named, str) else body.label_of(named)) + kind
             raise OutOfOrderError(
-                f"{what} was requested after a value of stage {last if forward else body.grad_stage}; "
-                f"in a pipeline, forward values come stage by stage (0 first) and gradients in "
-                f"reverse (last stage first).")
+                f"{what} was requested after a value of stage "
+                f"{last if forward else body.grad_stage}; in a pipeline, forward values come "
+                f"stage by stage (0 first) and gradients in reverse (last stage first).")
         if forward:
             body.last_stage = stage
         else:
             body.grad_stage = stage
-
-    # -- waiting for a value from another stage -------------------------------------------------
-    def _wait_remote(self, body, event, src: int, tag: int):
-        self.messages.want(src, tag)
-        self.messages.expect(src, event)  # posted now, it arrives while the body waits
-        if event in self.fired:
-            return self.messages.take(src, event, tag)
-        self.waiting.setdefault(event, []).append((body, src, tag))
-        body.pending = ("remote", tag)
-        body.remote_value = None
-        try:
-            body.scheduler.switch()
-        finally:
-            body.pending = None
-        if body.remote_value is None:
-            raise TraceStateError(f"the pipeline step ended before rank {src} sent a value this "
-                                  f"body asked for (microbatch {body.index}).")
-        value, body.remote_value = body.remote_value, None
-        return value
 
 
 # What `with tr.loss.backward():` opens its block on when the body cannot see the loss: one
@@ -280,23 +273,8 @@ def _passed(path, kind):
             f"module values in forward order.")
 
 
-# -- where a body takes another stage's value, and whether `tr.loss` only opens a block ------
+# -- whether `tr.loss` only opens a block --------------------------------------------------
 _SITES: dict = {}  # (code, offset) -> whether `tr.loss` read there only opens a block
-
-
-def moment(stages, stage: int, microbatch: int, forward: bool):
-    """The batch key under which a rank running ``stages`` takes a forward value (or a
-    gradient) of another rank's ``stage``: the first moment of its own at which the owner has
-    certainly sent it (the module text of ``engine.py``). A forward value: the forward of its
-    first stage after ``stage`` (which needed ``stage``'s output), else the backward of its last
-    stage before it (which needed the later stages' gradients). A gradient: the backward of its
-    last stage before ``stage``, else when its step has ended."""
-    if forward:
-        later = [s for s in stages if s > stage]
-        if later:
-            return ("F", later[0], microbatch)
-    earlier = [s for s in stages if s < stage]
-    return ("B", earlier[-1], microbatch) if earlier else "end"
 
 
 def only_opens_block(frame) -> bool:
@@ -307,8 +285,8 @@ def only_opens_block(frame) -> bool:
     if known is None:
         ops = [(op.offset, op.opname, op.argval) for op in dis.get_instructions(frame.f_code)
                if op.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL", "NOP")]
-        at = [i for i, op in enumerate(ops) if op[0] <= frame.f_lasti][-1:]
-        seen = [op[1:] for op in ops[at[0]: at[0] + 5]] if at else []
+        here = [i for i, op in enumerate(ops) if op[0] <= frame.f_lasti][-1:]
+        seen = [op[1:] for op in ops[here[0]: here[0] + 5]] if here else []
         known = _SITES[site] = len(seen) == 5 and seen[0] == ("LOAD_ATTR", "loss") and \
             seen[1][0] in ("LOAD_METHOD", "LOAD_ATTR") and seen[1][1] == "backward" and \
             seen[2] == ("CALL", 0) and seen[3][0] in ("BEFORE_WITH", "SETUP_WITH") and \

@@ -9,8 +9,8 @@
             g = h.grad.save()
             h.grad = h.grad * 2
 
-Everything but how the step runs is ``engine.py``'s: the body runs once per microbatch on every
-rank, values cross stages from their owner. Here:
+Everything but how the step runs is shared with ``engine.py`` (``adapter.py``): the body runs
+once per microbatch on every rank, values cross stages from their owner. Here:
 
 * **The step** is ``engine.train_batch(iter(microbatches))``; the list must hold
   ``gradient_accumulation_steps`` microbatches. ``train_batch`` also reduces gradients and
@@ -36,20 +36,22 @@ rank, values cross stages from their owner. Here:
 from __future__ import annotations
 
 from ..deepspeed import local_grad
-from .engine import PipelineEngine
+from .adapter import PipelineAdapter
+from .schedule_run import ScheduleRun
 
 
-class DeepSpeedPipeEngine(PipelineEngine):
+class DeepSpeedPipeEngine(PipelineAdapter):
     """DeepSpeed's pipeline engine (a ``PipelineModule`` run by ``train_batch``), wrapped
-    with the whole model for its paths; see the module text."""
+    with the whole model for its paths; see the module text. Its messages are DeepSpeed's own,
+    so no bundle piggybacks on them (``can_piggyback`` stays False): each is a message of its
+    own on distgrad's channel."""
     name = "deepspeed-pipe"
 
     def __init__(self, engine, full_model):
         self.ds = engine
-        self.stages = []
-        self.chunk_wraps = {}  # the trace's, while one runs
+        self.action_wraps = {}  # the trace's instruction wraps, while one runs (instrument)
         self.grad_takers = []  # distgrad.flow Recorders' (watch_param_grads)
-        self._setup(full_model, [engine.module], [engine.stage_id], engine.num_stages)
+        super().__init__(full_model, [engine.module], [engine.stage_id], engine.num_stages)
 
     def refuse_flow(self):
         ds = self.ds
@@ -90,20 +92,21 @@ class DeepSpeedPipeEngine(PipelineEngine):
     def microbatches(self) -> int:
         return self.ds.micro_batches
 
-    def _can_carry(self) -> bool:
-        return False  # its messages are DeepSpeed's own: distgrad's batches go separately
-
     def run_step(self, args: tuple, kwargs: dict):
         if len(args) != 1 or kwargs:
             raise TypeError("model.trace(microbatches) under DeepSpeed's pipeline engine takes one "
                             "argument: a list of (inputs, labels), one per microbatch.")
-        batches = list(args[0])
-        if len(batches) != self.ds.micro_batches:
-            raise ValueError(f"model.trace(microbatches): got {len(batches)} microbatches, the "
-                             f"engine runs {self.ds.micro_batches} (gradient_accumulation_steps).")
-        return self.ds.train_batch(data_iter=iter(batches))
+        microbatches = list(args[0])
+        if len(microbatches) != self.ds.micro_batches:
+            raise ValueError(f"model.trace(microbatches): got {len(microbatches)} microbatches, "
+                             f"the engine runs {self.ds.micro_batches} "
+                             f"(gradient_accumulation_steps).")
+        return self.ds.train_batch(data_iter=iter(microbatches))
 
-    def instrument(self, on_chunk, on_loss):
+    def instrument(self, on_action, on_loss):
+        """Wrap the engine's ForwardPass and BackwardPass instructions (one action each; its
+        schedule runs each stage's microbatches first in, first out, so counting them numbers
+        the microbatches), and read its ``loss`` after the last stage's forward."""
         from deepspeed.runtime.pipe import schedule
         table = type(self.ds)._INSTRUCTION_MAP
         forward, backward = table[schedule.ForwardPass], table[schedule.BackwardPass]
@@ -114,20 +117,23 @@ class DeepSpeedPipeEngine(PipelineEngine):
             def run(engine, *args, **kwargs):
                 microbatch = count[phase]
                 count[phase] += 1
-                with on_chunk(phase, stage, microbatch):
+                with on_action(phase, stage, microbatch):
                     real(engine, *args, **kwargs)
                 if phase == "F" and engine.is_last_stage():
                     on_loss(microbatch, engine.loss)
             return run
 
-        self.chunk_wraps = {schedule.ForwardPass: counted("F", forward),
+        self.action_wraps = {schedule.ForwardPass: counted("F", forward),
                             schedule.BackwardPass: counted("B", backward)}
         self._install()
 
         def restore():
-            self.chunk_wraps = {}
+            self.action_wraps = {}
             self._install()
         return restore
+
+    def run_captured(self, trace, code, names, frame) -> None:
+        ScheduleRun(self, trace).run(code, names, frame)
 
     def _install(self):
         """Put the trace's instruction wraps and the Recorder's gradient takers on the engine
@@ -135,7 +141,7 @@ class DeepSpeedPipeEngine(PipelineEngine):
         from deepspeed.runtime.pipe import schedule
         ds = self.ds
         table = dict(type(ds)._INSTRUCTION_MAP)
-        table.update(self.chunk_wraps)
+        table.update(self.action_wraps)
         if self.grad_takers:
             step = table[schedule.OptimizerStep]
 
@@ -144,7 +150,7 @@ class DeepSpeedPipeEngine(PipelineEngine):
                     take()
                 step(engine, *args, **kwargs)
             table[schedule.OptimizerStep] = take_then_step
-        if self.chunk_wraps or self.grad_takers:
+        if self.action_wraps or self.grad_takers:
             ds._INSTRUCTION_MAP = table
         else:
             ds.__dict__.pop("_INSTRUCTION_MAP", None)

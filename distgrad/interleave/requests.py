@@ -19,7 +19,7 @@ The objects, from the simplest:
 * ``Invokes`` (``invoke.py``): several bodies over one batch, served in invoke order.
 * ``StepRequests`` (``step.py``): a body over another library's training step
   (``model.trace_step``), whose loss and backward are the library's.
-* ``PipelineRun`` (``engines/pipeline/run.py``): one body per microbatch of a pipeline
+* ``BodyRequests`` (``engines/pipeline/body_requests.py``): one body per microbatch of a pipeline
   schedule, values of other ranks' stages received.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ it first: an invoke's rows of a value that retain their gradient are hooked up t
 another library replaced ``Tensor.backward`` before (nnsight does, for its own
 ``with loss.backward():``), every call outside a distgrad body is that library's. Inside the
 block the real backward runs as a coroutine of the body (``interleave/transports.py``): ``t.grad``
-stops it where the gradient of ``t`` is computed, and what the body puts there flows on
+pauses it where the gradient of ``t`` is computed, and what the body puts there flows on
 upstream.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from . import patches
 from .errors import TraceStateError
-from .interleave.gradients import backward_threaded, close_session, grad_stop
+from .interleave.gradients import backward_threaded, close_session, grad_pause
 from .interleave.requests import Requests
 from .interleave.session import BODIES, Body, Session, current_body
 from .torch_internals import TENSOR_MODULE_FILE, scaled_by
@@ -78,7 +78,7 @@ class BackwardTracer:
                                   "before opening another.")
         if body is None:  # a block outside any trace
             patches.keep_on_top()
-            body = Body(OUTSIDE)
+            body = Body(NO_TRACE)
             BODIES[greenlet.getcurrent()] = body
             self._own_body = True
         self._body = body
@@ -238,7 +238,7 @@ def write_grad(body: Body, tensor: torch.Tensor, value) -> None:
     body.requests.grad(body, tensor).replace(value, lambda: body.label_of(tensor) + ".grad")
 
 
-class Outside(Requests):
+class NoTraceRequests(Requests):
     """The requests of a backward block opened outside any trace: its gradients only."""
 
     unscales = True
@@ -247,10 +247,10 @@ class Outside(Requests):
         block.session = Session("backward", block.run, [body],
                                 threaded=backward_threaded(block.tensor), scale=block.scale)
 
-    grad = staticmethod(grad_stop)
+    grad = staticmethod(grad_pause)
 
     def close_backward(self, body, block, error) -> None:
         close_session(block.session, error)
 
 
-OUTSIDE = Outside()
+NO_TRACE = NoTraceRequests()

@@ -1,7 +1,7 @@
 """Envoys: objects that mirror the module tree and serve its values inside a trace.
 
 ``model.transformer.h[0]`` is an Envoy for that module; ``.output``, ``.input`` and ``.inputs``
-stop the run where the module produces them. Anything that is not a module (a parameter,
+pause the run where the module produces them. Anything that is not a module (a parameter,
 ``config``, a method) is the module's own attribute; a module is always an envoy, also one that
 a wrapper (PEFT, torch.compile) passes on from the model inside it. Envoys take no assignment
 but those three: anything else would land on the module and change nothing.
@@ -26,8 +26,8 @@ _Tensor = torch.Tensor
 class Envoy:
     """The envoy of one module; see the module text. Its fields start with an underscore so
     that every other name reaches the user's module (as in nnsight); the objects that serve
-    requests (``interleave/in_place.py``, the pipeline's
-    ``requests.py``) read them, and ``interleave.in_place.InPlace`` alone writes ``_kept``:
+    requests (``interleave/forward_requests.py``, the pipeline's
+    ``requests.py``) read them, and ``interleave.forward_requests.ForwardRequests`` alone writes ``_kept``:
 
     * ``_module``: the module (an engine's per-module wrapper unwrapped); ``_path``: the path
       the user wrote, from ``model``; ``_parent``: the envoy of the enclosing module, None at
@@ -56,7 +56,7 @@ class Envoy:
         object.__setattr__(self, "_call", call)
         object.__setattr__(self, "_parent", parent)
         object.__setattr__(self, "_local", False)
-        object.__setattr__(self, "_kept", None)  # points kept between traces (InPlace._new_point)
+        object.__setattr__(self, "_kept", None)  # points kept between traces (ForwardRequests._new_point)
 
     def _ancestors(self):
         envoy = self._parent
@@ -100,7 +100,7 @@ class Envoy:
         """The envoy of a module that ``getattr`` found but that is not a child of this one
         (``PeftModel`` and ``OptimizedModule`` pass lookups on to the model inside). It keeps
         the name the user wrote, and its parent is the envoy of the module that really holds
-        it, so that the enclosing modules a trace watches (InPlace._new_point) are the real ones."""
+        it, so that the enclosing modules a trace watches (ForwardRequests._new_point) are the real ones."""
         root = self
         while root._parent is not None:
             root = root._parent
@@ -188,7 +188,7 @@ class Envoy:
         return envoy
 
     # -- values ---------------------------------------------------------------------------
-    def _stop(self, kind: str):
+    def _pause(self, kind: str):
         body = current_body()
         if body is None:
             raise TraceUsageError(f"{self._path}.{kind} can only be used inside "
@@ -199,14 +199,14 @@ class Envoy:
     def output(self):
         """What the module returned (its next call, or the call the run is paused at).
         Assign to replace it for everything downstream."""
-        # _stop("output") and remember() written out: this is the most used read
+        # _pause("output") and remember() written out: this is the most used read
         body = BODIES.get(_getcurrent()) if BODIES else None
         if body is None:
-            self._stop("output")  # raises
-        stop = body.requests.module_value(body, self, "output")
-        value = stop.replacement
+            self._pause("output")  # raises
+        pause = body.requests.module_value(body, self, "output")
+        value = pause.replacement
         if value is UNSET:
-            value = stop.view
+            value = pause.view
         if value.__class__ is _Tensor:
             body.labels[id(value)] = (value, self._path, ".output")
         else:
@@ -215,41 +215,41 @@ class Envoy:
 
     @output.setter
     def output(self, value):
-        body, stop = self._stop("output")
-        stop.replace(value, f"{self._path}.output")
+        body, pause = self._pause("output")
+        pause.replace(value, f"{self._path}.output")
         body.remember(value, self._path, ".output")
 
     @property
     def inputs(self):
         """``(args, kwargs)`` of the call."""
-        _, stop = self._stop("input")
-        return stop.replacement if stop.replacement is not UNSET else stop.view
+        _, pause = self._pause("input")
+        return pause.replacement if pause.replacement is not UNSET else pause.view
 
     @inputs.setter
     def inputs(self, value):
         if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)):
             raise TypeError(f"{self._path}.inputs = ... needs a pair (args tuple, kwargs dict).")
-        _, stop = self._stop("input")
-        stop.replace((tuple(value[0]), dict(value[1])), f"{self._path}.inputs")
+        _, pause = self._pause("input")
+        pause.replace((tuple(value[0]), dict(value[1])), f"{self._path}.inputs")
 
     @property
     def input(self):
         """The first positional argument (or, for a call with keywords only, the first keyword's value)."""
-        body, stop = self._stop("input")
-        args, kwargs = stop.replacement if stop.replacement is not UNSET else stop.view
+        body, pause = self._pause("input")
+        args, kwargs = pause.replacement if pause.replacement is not UNSET else pause.view
         value = _first(args, kwargs, self._path)
         body.remember(value, self._path, ".input")
         return value
 
     @input.setter
     def input(self, value):
-        body, stop = self._stop("input")
-        args, kwargs = stop.replacement if stop.replacement is not UNSET else stop.view
+        body, pause = self._pause("input")
+        args, kwargs = pause.replacement if pause.replacement is not UNSET else pause.view
         if args:
-            stop.replace(((value,) + tuple(args[1:]), dict(kwargs)), f"{self._path}.input")
+            pause.replace(((value,) + tuple(args[1:]), dict(kwargs)), f"{self._path}.input")
         elif kwargs:
             first = next(iter(kwargs))
-            stop.replace(((), {**kwargs, first: value}), f"{self._path}.input")
+            pause.replace(((), {**kwargs, first: value}), f"{self._path}.input")
         else:
             raise TraceStateError(f"{self._path}.input = ...: this call has no arguments.")
         body.remember(value, self._path, ".input")

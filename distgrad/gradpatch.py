@@ -57,21 +57,21 @@ def make_property(previous) -> BodyGrad:
     delete_previous = getattr(previous, "__delete__", _PLAIN.__delete__)
 
     # get_grad and set_grad run for every `.grad` in a body (three times per read+edit), so the common
-    # cases are written out here rather than called: Stop.value(), served(), Stop.replace().
+    # cases are written out here rather than called: Pause.value(), served(), Pause.replace().
     def get_grad(tensor):
         if BODIES:
             body = BODIES.get(_getcurrent())
             if body is not None:
-                stop = body.stop
-                if stop is not None and stop.tensor is tensor:  # the gradient the backward is at
-                    value = stop.replacement
-                    return stop.view if value is UNSET else value
+                pause = body.pause
+                if pause is not None and pause.tensor is tensor:  # the gradient the backward is at
+                    value = pause.replacement
+                    return pause.view if value is UNSET else value
                 if ((tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter))
                         and not tensor.retains_grad):
                     if body.block is not None:
-                        stop = body.requests.grad(body, tensor)
-                        value = stop.replacement
-                        return stop.view if value is UNSET else value
+                        pause = body.requests.grad(body, tensor)
+                        value = pause.replacement
+                        return pause.view if value is UNSET else value
                     refuse_outside_block(body, tensor)
         return get_previous(tensor, tensor.__class__)
 
@@ -79,14 +79,14 @@ def make_property(previous) -> BodyGrad:
         if BODIES:
             body = BODIES.get(_getcurrent())
             if body is not None:
-                stop = body.stop
-                if stop is not None and stop.tensor is tensor:  # `t.grad = t.grad * 2`
-                    old = stop.view
+                pause = body.pause
+                if pause is not None and pause.tensor is tensor:  # `t.grad = t.grad * 2`
+                    old = pause.view
                     if not (value.__class__ is _Tensor and value.shape == old.shape
                             and value.dtype == old.dtype and value.device == old.device):
                         check_replacement_grad(lambda: body.label_of(tensor) + ".grad", old,
                                                value)
-                    stop.replacement = value
+                    pause.replacement = value
                     return
                 if body.block is not None and served(tensor) and tensor.requires_grad:
                     write_grad(body, tensor, value)

@@ -93,7 +93,7 @@ class LabelledSaves(list):
     that checks the ranks saved the same values (``engines/ranks/gather.py``).
 
     Forward values are named in ``body.labels`` as the body receives them; a gradient is a
-    fresh copy the body gets at the backward's stop, named nowhere. So when the body saves the
+    fresh copy the body gets at the backward's pause, named nowhere. So when the body saves the
     very gradient it is at (``a1.grad.save()``, on every body path: each appends here), the
     copy is named after its tensor (``model.transformer.h[0].output.grad``). The body is held
     by a weak reference: the body holds this list, and a cycle would outlive the trace."""
@@ -108,12 +108,12 @@ class LabelledSaves(list):
     def append(self, entry) -> None:
         list.append(self, entry)
         body = self.body()
-        stop = body.stop if body is not None else None
-        if stop is None or stop.tensor is None:
+        pause = body.pause if body is not None else None
+        if pause is None or pause.tensor is None:
             return
         saved = entry[0]
-        if saved is stop.view or saved is stop.replacement:
-            labels, tensor = self.labels, stop.tensor
+        if saved is pause.view or saved is pause.replacement:
+            labels, tensor = self.labels, pause.tensor
             named = labels.get(id(tensor))
             if named is not None and named[0] is tensor:
                 labels[id(saved)] = (saved, named[1], named[2] + ".grad")

@@ -16,7 +16,7 @@ from .config import config
 from .envoy import Envoy
 from .errors import TraceStateError, TraceUsageError, drop_context, forget_frames
 from .interleave import batching
-from .interleave.in_place import InPlace
+from .interleave.forward_requests import ForwardRequests
 from .interleave.invoke import Invoke, Invokes
 from .interleave.requests import Requests
 from .interleave.session import BODIES, Body, current_body
@@ -138,9 +138,9 @@ class Trace:
             # runs, and nothing may be left to make the next trace think this one is open
             frame = sys._getframe(1)
             code, names, skip_from = capture.capture(frame, capture.PIPELINE_BODY)
-            self.requests, self.frame = Captured(self, code, names, frame), frame
+            self.requests, self.frame = PerMicrobatch(self, code, names, frame), frame
         if self.requests is None:
-            self.requests = InPlace(self)
+            self.requests = ForwardRequests(self)
         self.body = Body(self.requests)
         self.mode = self.requests.mode
         BODIES[self._glet] = self.body
@@ -255,7 +255,7 @@ class Trace:
         return (requests or Requests()).loss(body)
 
 
-class Captured(Requests):
+class PerMicrobatch(Requests):
     """The requests of a trace whose body the engine runs itself, once per microbatch (a
     pipeline schedule): the engine's own object serves those bodies (``Engine.run_captured``)."""
 

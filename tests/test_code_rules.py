@@ -18,7 +18,7 @@ TORCH_PRIVATE_ATTRS = {
 # entry: a function call there would cost every read (benchmarks/bytecodes.py counts it).
 INLINE_HOT_PATHS = {
     ("interleave/points.py", "ModulePoint.arm"), ("interleave/points.py", "ModulePoint.remove"),
-    ("interleave/session.py", "Stop.__init__"), ("interleave/session.py", "Stop.edited"),
+    ("interleave/session.py", "Pause.__init__"), ("interleave/session.py", "Pause.edited"),
 }
 
 

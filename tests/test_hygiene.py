@@ -166,7 +166,7 @@ def test_untouched_trace_adds_no_hooks(gpt2, tokenizer):
     assert seen == [0]
     with model.trace(TEXT):
         model.transformer.h[0].output
-        # the requested module plus the modules enclosing it (see InPlace._new_point)
+        # the requested module plus the modules enclosing it (see ForwardRequests._new_point)
         seen.append(hook_count(gpt2))
     assert seen[1] == 3
     _clean(gpt2)

@@ -3,11 +3,11 @@ fires, the hook hands the value over and waits, the body reads or replaces it, a
 request sends the reply back to the hook.
 
 * ``requests.py``: ``Requests``, the seam: what a body asks for, served by one object per trace;
-* ``in_place.py``: ``InPlace``, one body in the caller's frame; ``invoke.py``: ``Invokes``,
+* ``forward_requests.py``: ``ForwardRequests``, one body in the caller's frame; ``invoke.py``: ``Invokes``,
   several bodies over one batch;
-* ``session.py``: ``Body``, ``Stop`` (the body's view of the paused run) and ``Session`` (the
+* ``session.py``: ``Body``, ``Pause`` (the body's view of the paused run) and ``Session`` (the
   points and bodies of one run);
-* ``points.py``: where a hook stops the run (a module call's input or output, a tensor's
+* ``points.py``: where a hook pauses the run (a module call's input or output, a tensor's
   gradient); ``checkpointing.py``: the same points in a checkpointed block's recompute;
 * ``transports.py``: how control moves between body and run, one interface with one hand-off
   (``hand(key, value) -> reply``) and two implementations: a greenlet on the body's thread, or

@@ -1,5 +1,5 @@
-"""The backward's side of the protocol: where a body's ``.grad`` stops the backward
-(``grad_stop``), the error when the backward has passed that gradient (``grad_passed``), which
+"""The backward's side of the protocol: where a body's ``.grad`` pauses the backward
+(``grad_pause``), the error when the backward has passed that gradient (``grad_passed``), which
 transport a backward needs (``backward_threaded``, ``step_threaded``), and how a block's session
 ends (``close_session``). Every ``Requests`` that serves gradients in one process uses these;
 ``backward.py`` (the block users open) sits above them.
@@ -33,8 +33,8 @@ def step_threaded() -> bool:
     return mode == "thread"
 
 
-def grad_stop(body: Body, tensor: torch.Tensor):
-    """Where the body reads or writes ``tensor.grad``: stop the backward there. The callers
+def grad_pause(body: Body, tensor: torch.Tensor):
+    """Where the body reads or writes ``tensor.grad``: pause the backward there. The callers
     (the ``.grad`` property) have found that the body is not already at that gradient."""
     block = body.block
     session = block.session

@@ -8,7 +8,7 @@ zeros in ``a``'s rows, and its own edit is applied on top of them.
 from __future__ import annotations
 
 from . import batching
-from .session import Session, Stop
+from .session import Session, Pause
 
 
 class InOrderSession(Session):
@@ -30,7 +30,7 @@ class InOrderSession(Session):
     def _serve_first(self, key):
         body = self.queue.pop(0)
         rows, tensor, local = body.wants
-        body.stop = Stop(key, self.current, rows, key[0].kind, self.size, self.slices, tensor,
+        body.pause = Pause(key, self.current, rows, key[0].kind, self.size, self.slices, tensor,
                          local)
         self.served.append(body)
         self.last = body
@@ -47,12 +47,12 @@ class InOrderSession(Session):
 
     def _fold(self) -> None:
         body, self.last = self.last, None
-        stop = body.stop if body is not None else None
-        if stop is None:
+        pause = body.pause if body is not None else None
+        if pause is None:
             return
-        reply = stop.reply()
+        reply = pause.reply()
         if reply is not None:
-            merged = batching.merge(self.current, [(stop.rows, reply)], self.size)
+            merged = batching.merge(self.current, [(pause.rows, reply)], self.size)
             self.current = reply if merged is None else merged
 
     def _merged_reply(self, served):
@@ -60,7 +60,7 @@ class InOrderSession(Session):
             return None
         self._fold()
         for body in served:
-            body.stop = None
+            body.pause = None
         reply = None if self.current is self.paused_value else self.current
         self.paused_value = self.current = None
         self.queue = []

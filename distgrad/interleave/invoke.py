@@ -26,7 +26,7 @@ from ..errors import GradientError, TraceStateError, TraceUsageError
 from . import autograd_calls, batching
 from .gradients import backward_threaded, grad_passed
 from .in_order import InOrderSession
-from .in_place import InPlace
+from .forward_requests import ForwardRequests
 from .invoke_names import InvokeNames, namespace
 from .requests import Requests
 from .retained_grads import fill_retained_grads
@@ -86,7 +86,7 @@ class Invoke:
         return True
 
 
-class Invokes(InPlace):
+class Invokes(ForwardRequests):
     """The requests of a trace with invokes: one forward over the joined batch, and one
     backward over the sum of the bodies' losses, each body served its own rows."""
 
@@ -197,7 +197,7 @@ class Invokes(InPlace):
             if session is not None and not session.finished and any(
                     b.pending in session.wanted for b in waiting):
                 session.advance()
-                served = [b for b in waiting if b.stop is not None and b.pending is not None]
+                served = [b for b in waiting if b.pause is not None and b.pending is not None]
                 if session.finished:
                     served = [b for b in waiting if b.pending in session.wanted]
                 for body in served:

@@ -12,9 +12,9 @@ opens (``Trace.__enter__``), by choosing the object; no caller tests it again.
 
 The objects, from the simplest:
 
-* ``Outside`` (``backward.py``): a backward block opened outside any trace; it serves
+* ``NoTraceRequests`` (``backward.py``): a backward block opened outside any trace; it serves
   gradients only.
-* ``InPlace`` (``in_place.py``): the trace body in the caller's frame over one forward, each
+* ``ForwardRequests`` (``forward_requests.py``): the trace body in the caller's frame over one forward, each
   value handed over by a greenlet or a worker thread (``session.py``, ``transports.py``).
 * ``Invokes`` (``invoke.py``): several bodies over one batch, served in invoke order.
 * ``StepRequests`` (``step.py``): a body over another library's training step
@@ -33,11 +33,11 @@ class Requests:
 
     Methods (``body``: the asking ``session.Body``):
 
-    * ``module_value(body, envoy, kind)``: the ``Stop`` at ``envoy``'s module value, ``kind``
-      "output" or "input"; the body reads ``stop.view`` and assigns through ``stop.replace``.
+    * ``module_value(body, envoy, kind)``: the ``Pause`` at ``envoy``'s module value, ``kind``
+      "output" or "input"; the body reads ``pause.view`` and assigns through ``pause.replace``.
     * ``open_backward(body, block)``: ``with loss.backward():`` opens (``block``: the
       ``BackwardTracer``); returns once gradients can be asked for.
-    * ``grad(body, tensor)``: the ``Stop`` at the gradient flowing into ``tensor``, inside the
+    * ``grad(body, tensor)``: the ``Pause`` at the gradient flowing into ``tensor``, inside the
       body's open block.
     * ``close_backward(body, block, error)``: the block ends, ``error`` the exception leaving
       it or None.

@@ -40,7 +40,7 @@ class Body:
         # How it wants that value: (rows it will see, for a gradient key the tensor whose .grad
         # it asked for, whether it asked through `.local` - this rank's shard as it is).
         self.wants = (rows, None, False)
-        self.stop = None            # Stop: where the run is paused for this body
+        self.pause = None           # Pause: where the run is paused for this body
         self.block = None           # the open BackwardTracer, if any
         self.saves: list = []
         self.labels: dict = {}      # id(tensor) -> (tensor, "model.x.output") for messages
@@ -66,7 +66,7 @@ class Body:
                     self.labels[id(item)] = (item, path, f"{kind}[{i}]")
 
 
-class Stop:
+class Pause:
     """One body's view of the point the run is paused at, and what the body put there."""
 
     __slots__ = ("key", "tensor", "kind", "rows", "view", "version", "replacement", "local")
@@ -176,12 +176,12 @@ class Session:
 
     # -- the body side --------------------------------------------------------------------
     def request(self, body: Body, key, passed_message, rows=UNSET, tensor=None,
-                local: bool = False) -> Stop:
-        """Stop where ``key`` fires and return the body's view of it (its ``rows`` of it).
+                local: bool = False) -> Pause:
+        """Pause where ``key`` fires and return the body's view of it (its ``rows`` of it).
         ``passed_message()`` words the error if the run goes past ``key`` instead."""
-        stop = body.stop
-        if stop is not None and stop.key == key:
-            return stop
+        pause = body.pause
+        if pause is not None and pause.key == key:
+            return pause
         if self.finished:
             raise passed_error(passed_message)
         if self.single_body and rows is UNSET:
@@ -200,24 +200,24 @@ class Session:
             left = wanted.pop(key) - 1
             if left:
                 wanted[key] = left
-        stop = body.stop
-        if stop is not None and stop.key == key:
-            return stop
+        pause = body.pause
+        if pause is not None and pause.key == key:
+            return pause
         raise passed_error(passed_message)
 
     def request_single(self, body: Body, key, passed_message, tensor=None,
-                       local=False) -> Stop:
+                       local=False) -> Pause:
         """``request`` for a ``single_body`` session, when the body is not already at ``key``:
         the short path of the most common request (one body, whole values), counted by
         benchmarks/bytecodes.py. With one body there is no one to wait for but the run, so the
-        reply goes straight to the transport and the pause straight to a Stop."""
+        reply goes straight to the transport and the pause straight to a Pause."""
         if self.finished:
             raise passed_error(passed_message)
-        stop = body.stop
+        pause = body.pause
         reply = None
-        if stop is not None:
-            body.stop = None
-            reply = stop.reply()
+        if pause is not None:
+            body.pause = None
+            reply = pause.reply()
         wanted = self.wanted
         wanted[key] = 1
         try:
@@ -225,8 +225,8 @@ class Session:
         finally:
             del wanted[key]
         if event.__class__ is tuple:  # only this key is wanted, so the run paused at it
-            stop = body.stop = Stop(key, event[1], None, key[0].kind, 0, None, tensor, local)
-            return stop
+            pause = body.pause = Pause(key, event[1], None, key[0].kind, 0, None, tensor, local)
+            return pause
         self.finished = True
         if event.kind == "error":
             raise event.value
@@ -255,7 +255,7 @@ class Session:
         for body in self.bodies:
             if body.pending == key:
                 rows, tensor, local = body.wants
-                body.stop = Stop(key, value, rows, kind, self.size, self.slices, tensor, local)
+                body.pause = Pause(key, value, rows, kind, self.size, self.slices, tensor, local)
                 self.served.append(body)
 
     def serve_next(self):
@@ -270,7 +270,7 @@ class Session:
     def abort(self) -> None:
         self.served = []
         for body in self.bodies:
-            body.stop = None
+            body.pause = None
         if not self.finished:
             self.transport.abort()
             self.finished = True
@@ -304,22 +304,22 @@ class Session:
     def bodies_reply(self):
         if self.single_body:
             body = self.bodies[0]
-            stop = body.stop
-            if stop is None:
+            pause = body.pause
+            if pause is None:
                 return None
-            body.stop = None
-            return stop.reply()
+            body.pause = None
+            return pause.reply()
         served = self.served
         if not served and self.paused_token is None:
             return None
         self.served = []
         if len(served) == 1 and self.paused_token is None:  # one body, whole value: common case
             body = served[0]
-            stop = body.stop
-            if stop.rows is None:
-                body.stop = None
+            pause = body.pause
+            if pause.rows is None:
+                body.pause = None
                 self.paused_value = None
-                return stop.reply()
+                return pause.reply()
         token, self.paused_token = self.paused_token, None
         reply = self._merged_reply(served)
         if token is None:
@@ -331,13 +331,13 @@ class Session:
     def _merged_reply(self, served):
         if not served:
             return None
-        if all(b.stop.rows is None for b in served):
-            replies = [r for r in (b.stop.reply() for b in served) if r is not None]
+        if all(b.pause.rows is None for b in served):
+            replies = [r for r in (b.pause.reply() for b in served) if r is not None]
             reply = replies[-1] if replies else None  # whole values: the last writer wins
         else:
-            pieces = [(b.stop.rows, b.stop.reply()) for b in served]
+            pieces = [(b.pause.rows, b.pause.reply()) for b in served]
             reply = batching.merge(self.paused_value, pieces, self.size)
         for body in served:
-            body.stop = None
+            body.pause = None
         self.paused_value = None
         return reply

@@ -12,11 +12,11 @@ the library's either way, exactly once.
 from __future__ import annotations
 
 from ..errors import TraceStateError
-from .in_place import InPlace
+from .forward_requests import ForwardRequests
 from .session import UNSET, Session
 
 
-class StepRequests(InPlace):
+class StepRequests(ForwardRequests):
     """``run`` and ``backward``: the step's two halves (above). ``loss``: what ``run()``
     returned, once it has; ``backward_ran``: whether ``backward`` has been called."""
 

@@ -12,7 +12,7 @@ import torch
 from ...envoy import Envoy
 from ...errors import GradientError, OutOfOrderError, TraceStateError
 from ...interleave.requests import Requests
-from ...interleave.session import Body, Stop
+from ...interleave.session import Body, Pause
 
 
 class MicrobatchBody(Body):
@@ -25,7 +25,7 @@ class MicrobatchBody(Body):
         self.grad_stage = None  # the stage of the latest gradient it read
         self.loss = None      # tr.loss, once read
         # the module value it read last, while it asks for nothing else: (module id and
-        # kind, the stop's assignment then, the stop) (BodyRequests.module_value)
+        # kind, the pause's assignment then, the pause) (BodyRequests.module_value)
         self.last_read = None
         # while it waits for a local forward value or loss: the event after which that value
         # has passed (waits.py), else None
@@ -66,7 +66,7 @@ class BodyRequests(Requests):
             raise TypeError(_INPUTS.format(path=path))
         self._in_order(body, stage, True, path, "." + kind)
         # Still at this value (the body asked for nothing else since it last read it): the
-        # read is answered from the same stop on every rank, as on one process, so an in-place
+        # read is answered from the same pause on every rank, as on one process, so an in-place
         # edit made since is seen here as there and nothing is sent. Assigned since (`x.output
         # = ...`, on every rank alike): the owner sends what its read returns now.
         read = (id(module), kind)
@@ -79,13 +79,13 @@ class BodyRequests(Requests):
         if stage not in self.my_stages:
             value = self.waits.wait_remote(body, self.placement.receive_action(
                 stage, body.index, True), self.rank_of_stage[stage], tag)
-            stop = last[2] if again else Stop(("remote", tag), _as_read(value, kind), None, kind,
+            pause = last[2] if again else Pause(("remote", tag), _as_read(value, kind), None, kind,
                                                0, None)
             if again:  # the body's own assignment, unless the owner's numbers differ from it
-                value = self._own_or_received(stop, value, kind)
+                value = self._own_or_received(pause, value, kind)
             self._remember_remote(value, stage, body.index, f"{path}.{kind}")
-            body.last_read = (read, stop.replacement, stop)
-            return stop
+            body.last_read = (read, pause.replacement, pause)
+            return pause
         if ("F-end", stage, body.index) in self.passed:
             raise OutOfOrderError(_passed(path, kind))
         module = engine.stage_module(module)
@@ -96,11 +96,11 @@ class BodyRequests(Requests):
                 if engine.owns(outer._module):
                     session.module_point(engine.stage_module(outer._module), outer._path,
                                          "output")
-        stop = self._request_local(body, (point, body.index), ("F-end", stage, body.index),
+        pause = self._request_local(body, (point, body.index), ("F-end", stage, body.index),
                                    lambda: _passed(path, kind))
         # what this read returns: the value, or what the body assigned; of a call's
         # (args, kwargs), the tensor `.input` reads (the only part that crosses stages)
-        value = stop.value()
+        value = pause.value()
         if kind == "input":
             value = first_argument(value, path)
         if len(self.my_stages) > 1:  # (with one stage, grad() finds it without this entry)
@@ -111,8 +111,8 @@ class BodyRequests(Requests):
         # its bytes as they are now (messages.py): an in-place edit the body
         # makes next, every other rank makes on its copy too
         self._send(value, tag, body.index, True, stage)
-        body.last_read = (read, stop.replacement, stop)
-        return stop
+        body.last_read = (read, pause.replacement, pause)
+        return pause
 
     def _remember_remote(self, value, stage: int, microbatch: int, label: str) -> None:
         """A value of another rank's ``stage`` handed to the body: its gradient comes from
@@ -122,21 +122,21 @@ class BodyRequests(Requests):
                 value.requires_grad:
             self.value_stages.watch(value, label, stage, microbatch)
 
-    def _own_or_received(self, stop, value, kind: str):
-        """After an assignment, the owner's value read back (``value``) for ``stop``, this
-        rank's copy of the assigned stop. The body computed its own assignment from the same
+    def _own_or_received(self, pause, value, kind: str):
+        """After an assignment, the owner's value read back (``value``) for ``pause``, this
+        rank's copy of the assigned pause. The body computed its own assignment from the same
         values as the owner, so it is normally equal: then it stays what the read returns,
         the same tensor as on the owner (an in-place edit of either is an edit of both). A
         different one (noise the body drew on each rank) gives way to the owner's numbers,
         those the model goes on with."""
-        own = stop.value()
+        own = pause.value()
         if kind == "input":
             own = first_argument(own, "")
         if isinstance(own, torch.Tensor) and own.shape == value.shape and \
                 own.dtype == value.dtype and own.device == value.device and \
                 torch.equal(own.detach(), value.detach()):
             return own
-        stop.replacement = _as_read(value, kind)
+        pause.replacement = _as_read(value, kind)
         return value
 
     def loss(self, body):
@@ -154,9 +154,9 @@ class BodyRequests(Requests):
         else:
             if ("B", last, body.index) in self.passed:
                 raise OutOfOrderError(_LATE_LOSS)
-            stop = self._request_local(body, (self.loss_point, body.index),
+            pause = self._request_local(body, (self.loss_point, body.index),
                                        ("B", last, body.index), lambda: _LATE_LOSS)
-            value = stop.view
+            value = pause.view
             self._send(value, tag, body.index, True, last)
         body.loss = value
         return value
@@ -180,18 +180,18 @@ class BodyRequests(Requests):
             action = self.placement.receive_action(stage, body.index, False)
             value = self.waits.wait_remote(body, action, self.rank_of_stage[stage], tag)
             # the body is "at" this gradient now, as its owner is: `t.grad = t.grad * 2` reads
-            # and writes this one stop on every rank alike
-            body.stop = Stop(("remote", tag), value, None, "grad", 0, None, tensor)
-            return body.stop
+            # and writes this one pause on every rank alike
+            body.pause = Pause(("remote", tag), value, None, "grad", 0, None, tensor)
+            return body.pause
         if not tensor.requires_grad:
             raise GradientError(f"{body.label_of(tensor)}.grad: no gradient flows into it, "
                                 f"because it does not require grad.")
         point = session.grad_point(tensor)
-        stop = session.request(body, (point, point.calls), lambda: (
+        pause = session.request(body, (point, point.calls), lambda: (
             f"{body.label_of(tensor)}.grad was requested after this stage's backward had passed "
             f"it; request gradients in reverse-forward order."), tensor=tensor)
-        self._send(stop.view, tag, body.index, False, stage)
-        return stop
+        self._send(pause.view, tag, body.index, False, stage)
+        return pause
 
     def _request_local(self, body, key, deadline, passed_message):
         """A forward value (or loss) of this rank's stage: the session's request, with the
@@ -250,7 +250,7 @@ def first_argument(pair, path: str):
 
 
 def _as_read(value, kind: str):
-    """A received value as the envoy reads it from a stop: ``.input`` of a call's arguments."""
+    """A received value as the envoy reads it from a pause: ``.input`` of a call's arguments."""
     return ((value,), {}) if kind == "input" else value
 
 

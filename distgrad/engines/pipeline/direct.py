@@ -23,7 +23,7 @@ from __future__ import annotations
 import greenlet
 
 from ...interleave.transports import Abort
-from ...interleave.session import BODIES, Session, Stop
+from ...interleave.session import BODIES, Session, Pause
 
 _getcurrent = greenlet.getcurrent
 
@@ -94,7 +94,7 @@ class DirectStep:
         for body in session.bodies:
             if body.pending == key:
                 rows, tensor, local = body.wants
-                body.stop = Stop(key, value, rows, kind, session.size, session.slices, tensor,
+                body.pause = Pause(key, value, rows, kind, session.size, session.slices, tensor,
                                  local)
                 served.append(body)
         try:

@@ -82,7 +82,7 @@ class ThreadedStep:
                 continue  # the end, or a delivery at the top of the loop
             if session.served:  # the bodies whose value this is
                 for body in list(session.served):
-                    if body.stop is not None and body.pending is not None:
+                    if body.pause is not None and body.pending is not None:
                         wake(body)
             elif key[0].__class__ is _ActionEvent:  # a deadline: bodies whose value has passed
                 for body in bodies:

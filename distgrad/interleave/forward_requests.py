@@ -1,4 +1,4 @@
-"""``InPlace``: the requests of a trace body that runs in the caller's own frame.
+"""``ForwardRequests``: the requests of a trace body that runs in the caller's own frame.
 
 The trace's one forward (and each backward block's backward) is a ``Session``: a run that
 advances only as far as the body's next request, each value handed over at a hook by a
@@ -11,12 +11,12 @@ import torch
 
 from ..errors import OutOfOrderError, TraceStateError, TraceUsageError
 from . import batching
-from .gradients import backward_threaded, close_session, grad_stop
+from .gradients import backward_threaded, close_session, grad_pause
 from .requests import Requests
 from .session import UNSET, Session
 
 
-class InPlace(Requests):
+class ForwardRequests(Requests):
     """The requests of one trace's body, in place. ``trace``: the Trace (its inputs, its
     model); ``forward``: the forward's Session once the body has asked for a value."""
 
@@ -104,19 +104,19 @@ class InPlace(Requests):
         if point is None:
             point = self._new_point(session, envoy, kind)
         if call is None:
-            stop = body.stop
-            if stop is not None and stop.key[0] is point:
-                if stop.local != envoy._local:
+            pause = body.pause
+            if pause is not None and pause.key[0] is point:
+                if pause.local != envoy._local:
                     path = point.path
                     raise TraceStateError(
                         f"{path}.{kind} and {path}.local.{kind} name one value in two forms "
                         f"(whole and this rank's shard); read one of them per call.")
-                return stop  # the body is at this very call: read/write it again
+                return pause  # the body is at this very call: read/write it again
             if session.single_body:
                 return session.request_single(body, (point, point.calls), point.passed, None,
                                               envoy._local)
             call = point.calls
-        elif call < point.calls and not (body.stop is not None and body.stop.key == (point, call)):
+        elif call < point.calls and not (body.pause is not None and body.pause.key == (point, call)):
             raise OutOfOrderError(
                 f"{point.path}.{kind} (call {call}) was requested after the run had already "
                 f"passed it (the module has run {point.calls} time(s) since the trace first named "
@@ -167,7 +167,7 @@ class InPlace(Requests):
         return Session("backward", block.run, [body], threaded=backward_threaded(block.tensor),
                        views=self.engine.views, scale=block.scale)
 
-    grad = staticmethod(grad_stop)  # (a call layer less on the hottest path of a block)
+    grad = staticmethod(grad_pause)  # (a call layer less on the hottest path of a block)
 
     def close_backward(self, body, block, error) -> None:
         close_session(block.session, error)

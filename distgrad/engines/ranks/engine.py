@@ -38,7 +38,7 @@ from ...torch_internals import default_store
 from ..base import Engine
 from .agreement import Agreement, asked, where
 from .gather import Exchange, refuse_model_state
-from .given_up import keep_for_life
+from .abandoned import keep_until_exit
 
 
 class DistributedEngine(Engine):
@@ -122,7 +122,7 @@ class DistributedEngine(Engine):
         the failure key after each slice, then calling ``after_slice``. (A timed wait on a
         collective closes nothing; on a gloo receive it would close the whole group: see
         ``../pipeline/messages.py``.) Leaving with the collective still pending keeps ``group``
-        and ``work`` for the life of the process (``given_up.py``)."""
+        and ``work`` until the process exits (``abandoned.py``)."""
         try:
             while True:
                 try:
@@ -134,7 +134,7 @@ class DistributedEngine(Engine):
                 self.check_failure()
                 after_slice()
         except BaseException:
-            keep_for_life(group, [work])
+            keep_until_exit(group, [work])
             raise
 
     def check_failure(self, ask_the_store: bool = True) -> None:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ...config import config
 from ...saving import owned_tensors, saved_label
 from ...torch_internals import allgather_base, set_grad_enabled
-from .given_up import keep_for_life
+from .abandoned import keep_until_exit
 from .layout import Pack, Plan, round8, tensors_in, unpack_chunk
 
 # int64s: number of tensors, bytes of gather="rank0" saves, bytes of gather="all" saves,
@@ -106,7 +106,7 @@ class Exchange:
         self._small_buffers = None  # (key, buffers and views) of the last small gather
         self._root = dist.get_global_rank(group, 0)  # gather's dst: a global rank (torch < 2.6)
         # the collectives this gather has started: where a wait gives up (a peer failed), those
-        # still pending are kept until the process ends (given_up.py)
+        # still pending are kept until the process ends (abandoned.py)
         self._started: list = []
 
     def __call__(self, saves: list) -> None:
@@ -120,7 +120,7 @@ class Exchange:
             for tensor, value in self._exchange(saves):
                 tensor.data = value
         except BaseException:
-            keep_for_life(self.group, self._started)
+            keep_until_exit(self.group, self._started)
             raise
         finally:
             self._started = []

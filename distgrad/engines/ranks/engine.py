@@ -68,7 +68,7 @@ class DistributedEngine(Engine):
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
         self.store = _store()
-        self._watch = _Watch(self)
+        self._watch = _FailureWatcher(self)
         # rank-dependent requests raise instead of hanging (agreement.py): parameter gradients
         # of sharded engines here, tensor-parallel views in tensor_parallel.py
         self.agreements: list = []
@@ -228,10 +228,11 @@ class DistributedEngine(Engine):
             pass
 
 
-class _Watch:
-    """While a trace runs, reads its failure key every 0.1 s, so that a peer knows the message
-    before the store's host is gone; between traces it sleeps and touches nothing. One daemon
-    thread per engine; it ends with the engine."""
+class _FailureWatcher:
+    """A daemon thread per engine (its ``_watch``) that, while a trace runs, reads the trace's
+    failure key every 0.1 s, so that a peer knows the message before the store's host is gone,
+    and answers a waiting peer's question where this rank is (``answering``). Between traces it
+    sleeps and touches nothing; it ends with the engine."""
 
     def __init__(self, engine: DistributedEngine):
         self.store, self.rank = engine.store, engine.job_rank

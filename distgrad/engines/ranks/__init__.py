@@ -9,6 +9,6 @@
 """
 from .agreement import Agreement
 from .engine import DistributedEngine
-from .gather import Exchange
+from .gather import SavesGather
 
-__all__ = ["DistributedEngine", "Exchange", "Agreement"]
+__all__ = ["DistributedEngine", "SavesGather", "Agreement"]

@@ -36,9 +36,9 @@ from ...interleave.session import current_body
 from ...saving import LabelledSaves
 from ...torch_internals import default_store
 from ..base import Engine
-from .agreement import Agreement, asked, where
-from .gather import Exchange, refuse_model_state
 from .abandoned import keep_until_exit
+from .agreement import Agreement, asked, where
+from .gather import SavesGather, refuse_model_state
 
 
 class DistributedEngine(Engine):
@@ -63,8 +63,8 @@ class DistributedEngine(Engine):
         self._traces = 0   # traces ended (incremented as end_trace starts)
         self.running = 1  # the number of the trace running, or of the last one (keys use it)
         # gather=False: every rank already holds the global values (tensor parallel alone)
-        self._exchange = (Exchange(self.group, self._rank, self._world,
-                                   wait=self.wait_in_slices) if gather else None)
+        self.saves_gather = (SavesGather(self.group, self._rank, self._world,
+                                         wait=self.wait_in_slices) if gather else None)
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
         self.store = _store()
@@ -104,7 +104,7 @@ class DistributedEngine(Engine):
     def begin_trace(self) -> None:
         self.running = self._traces + 1
         self._watch.active.set()
-        if self._exchange is not None:
+        if self.saves_gather is not None:
             # name each saved gradient too, so that the gather can check that the ranks saved
             # the same values (gather.py): the trace's body is current while it opens
             body = current_body()
@@ -161,14 +161,14 @@ class DistributedEngine(Engine):
             self.views.clear()
         if error is not None:
             return self._fail(error)
-        if self._exchange is None:
+        if self.saves_gather is None:
             return None
         refused = refuse_model_state(saves, self.model) if saves else None
         if refused is not None:  # every rank alike: the ranks run the same body
             self._fail(refused)
             return refused
         try:
-            self._exchange(saves)  # rebinds saved tensors: the user's names show global values
+            self.saves_gather(saves)  # rebinds saved tensors: the user's names see global values
         except RuntimeError as exc:  # the group broke under us: a peer failed
             raise self._peer_failure(exc) from exc
         return None

@@ -14,13 +14,13 @@ on the joined dimension (an uneven last batch).
 
 With ``distgrad.config.gather_chunk_bytes`` set, a section larger than the bound is streamed:
 several collectives of at most that many bytes a rank, each chunk copied into the global values
-before the next, so the receive buffer is ``world * bound`` bytes (``Exchange._stream``).
+before the next, so the receive buffer is ``world * bound`` bytes (``SavesGather._stream``).
 
 In a training loop whose layouts repeat, every rank knows the sizes of the previous trace, so
 all of them send the payload right behind the header, without waiting for it; if the headers
 then show that some rank's saves changed, the payload is sent again with the right sizes. When
-all ranks' headers and payload together are at most ``Exchange.small_bytes`` (256 KiB), they go
-as one ``all_gather``: one round trip, and every rank receives at most that constant.
+all ranks' headers and payload together are at most ``SavesGather.small_bytes`` (256 KiB), they
+go as one ``all_gather``: one round trip, and every rank receives at most that constant.
 
 Each trace ends with the saved tensors rebound to their global values (``tensor.data =
 value``), on the saved tensor's device or on ``distgrad.config.gather_device``. The global
@@ -71,18 +71,18 @@ def refuse_model_state(saves: list, model: torch.nn.Module) -> ValueError | None
     return None
 
 
-class Exchange:
+class SavesGather:
     """One per engine. Every rank keeps the same view of the previous trace (all ranks' headers
     and layouts, and the plan cut from them), so a rank whose layout repeats need not send it
     again, and every rank can send the payload before it has read the headers.
 
     ``allocated`` (read by the tests and ``benchmarks/gather_memory.py``): the bytes of each
-    buffer this rank allocated for its last exchange, by name: ``"headers"`` (48 bytes a rank),
+    buffer this rank allocated for its last gather, by name: ``"headers"`` (48 bytes a rank),
     ``"layouts"`` (only when a layout changed), ``"send"`` (this rank's saved bytes, padded to
     the largest rank's), ``"receive"`` (every rank's bytes of the saves this rank keeps the
     global value of: on rank 0 all saves, elsewhere only the ``gather="all"`` ones); for a
     payload sent twice (the headers showed a change), the second, the first being freed.
-    ``guessed``: whether the last exchange's payload was the one sent before the headers were
+    ``guessed``: whether the last gather's payload was the one sent before the headers were
     read (the steady path of a training loop). ``small_bytes``: a steady gather whose headers
     and payload from all ranks together are at most this many bytes (256 KiB) is one
     ``all_gather`` of both, which every rank receives: the constant a rank other than 0 may
@@ -117,7 +117,7 @@ class Exchange:
         grad = torch.is_grad_enabled()  # the packing writes to out=, which autograd refuses
         set_grad_enabled(False)  # (cheaper than the torch.no_grad decorator)
         try:
-            for tensor, value in self._exchange(saves):
+            for tensor, value in self._global_values(saves):
                 tensor.data = value
         except BaseException:
             keep_until_exit(self.group, self._started)
@@ -126,7 +126,7 @@ class Exchange:
             self._started = []
             set_grad_enabled(grad)
 
-    def _exchange(self, saves: list) -> list:
+    def _global_values(self, saves: list) -> list:
         tensors, key = [], []
         # what each saved tensor is (model.transformer.h[0].output.grad): part of the layout,
         # so that the ranks check once per layout that they saved the same values
@@ -140,7 +140,7 @@ class Exchange:
                     tensors.append(t)
                     key.append((t.dtype, t.shape, mode, dim, saved_label(t, labels)))
         last, prev = self._last, self._prev
-        self._last = self._prev = None  # set again when this exchange completes
+        self._last = self._prev = None  # set again when this gather completes
         self.allocated, self.guessed = {}, False
         same = last is not None and prev is not None and last[0] == key
         pack = last[1] if same else Pack(key)

@@ -6,10 +6,10 @@ dims and labels). When a rank's layout changed, they ``all_gather`` the layouts 
 bytes a saved tensor), so that every rank checks alike that the ranks saved the same values and
 that they join. Then the payload: the bytes of the ``gather="rank0"`` saves go to rank 0 alone
 (``dist.gather``), those of the ``gather="all"`` saves to every rank (``all_gather``). Each rank
-sends one buffer per kind (the payload's two sections), of the largest rank's size (collectives take one size on every
-rank), so a rank other than 0 allocates its own saved bytes (padded to the largest rank's on an
-uneven batch), the headers and, when the layouts change, the layouts: whatever the world size,
-it receives no payload of ``gather="rank0"`` saves. Ranks may save tensors of different sizes
+sends one buffer per kind (the payload's two sections), of the largest rank's size (collectives
+take one size on every rank), so a rank other than 0 allocates its own saved bytes (padded to
+the largest rank's on an uneven batch), the headers and, when the layouts change, the layouts:
+whatever the world size, it receives no payload of ``gather="rank0"`` saves. Ranks may save tensors of different sizes
 on the joined dimension (an uneven last batch).
 
 With ``distgrad.config.gather_chunk_bytes`` set, a section larger than the bound is streamed:
@@ -25,8 +25,9 @@ go as one ``all_gather``: one round trip, and every rank receives at most that c
 Each trace ends with the saved tensors rebound to their global values (``tensor.data =
 value``), on the saved tensor's device or on ``distgrad.config.gather_device``. The global
 values are fresh tensors; the buffers live for one trace. Packing and unpacking are single
-calls for the common case of S saves of one shape and dtype; layouts are planned once and the
-plan is cached.
+calls for the common case of S saves of one shape and dtype. ``layout.py`` holds both ends: this
+rank's ``SendLayout`` (how its saves lie in its send buffers) and the ``JoinPlan`` of a set of
+ranks' layouts (how the received bytes join into global values), made once per set and cached.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from ...config import config
 from ...saving import owned_tensors, saved_label
 from ...torch_internals import allgather_base, set_grad_enabled
 from .abandoned import keep_until_exit
-from .layout import Pack, Plan, round8, tensors_in, unpack_chunk
+from .layout import JoinPlan, SendLayout, round8, tensors_in, unpack_chunk
 
 # int64s: number of tensors, bytes of gather="rank0" saves, bytes of gather="all" saves,
 # layout length (0 when the layout is that of this rank's previous trace), same layout (1 or 0),
@@ -73,7 +74,7 @@ def refuse_model_state(saves: list, model: torch.nn.Module) -> ValueError | None
 
 class SavesGather:
     """One per engine. Every rank keeps the same view of the previous trace (all ranks' headers
-    and layouts, and the plan cut from them), so a rank whose layout repeats need not send it
+    and layouts, and the join plan cut from them), so a rank whose layout repeats need not send it
     again, and every rank can send the payload before it has read the headers.
 
     ``allocated`` (read by the tests and ``benchmarks/gather_memory.py``): the bytes of each
@@ -95,7 +96,7 @@ class SavesGather:
         # slices, so a peer that failed (and said so) cannot leave this rank waiting
         self._wait = wait if wait is not None else _plain_wait
         self._plans: dict = {}
-        self._last = None  # this rank's (key, Pack) of the previous completed trace
+        self._last = None  # this rank's (key, SendLayout) of the previous completed trace
         self._prev = None  # (all ranks' headers, layouts, plan) of the previous completed trace
         self.allocated: dict = {}
         self.guessed = False
@@ -143,24 +144,24 @@ class SavesGather:
         self._last = self._prev = None  # set again when this gather completes
         self.allocated, self.guessed = {}, False
         same = last is not None and prev is not None and last[0] == key
-        pack = last[1] if same else Pack(key)
+        layout = last[1] if same else SendLayout(key)
         bound = config.gather_chunk_bytes
         bound = round8(max(int(bound), 8)) if bound else 0
-        head = [len(tensors), *pack.nbytes, 0 if same else len(pack.meta), int(same), bound]
+        head = [len(tensors), *layout.nbytes, 0 if same else len(layout.meta), int(same), bound]
         device = tensors[0].device if tensors else _CPU
         sent = guess = None
         if prev is not None and not _streamed(_sizes(prev[0]), _bound(prev[0])):
             guess = _sizes(prev[0])  # every rank alike: the sizes of the previous trace again
         if guess is not None and self.world * (8 * _HEADER + sum(guess)) <= self.small_bytes:
             # small: one all_gather of headers and payload, as every rank sees them
-            heads, sent = self._small(head, pack if same else None, tensors, guess, device)
+            heads, sent = self._small(head, layout if same else None, tensors, guess, device)
         else:
             heads = self._alloc("headers", self.world * _HEADER, torch.int64, device)
             work = self._all_gather(heads, torch.tensor(head).to(device))
             # sent right behind the headers (not when streamed in chunks: each chunk is unpacked
             # before the next, which needs the headers)
             if guess is not None:
-                sent = self._send(pack if same else None, tensors, guess, device)
+                sent = self._send(layout if same else None, tensors, guess, device)
             self._wait(work, self.group)
             heads = heads.view(self.world, _HEADER).tolist()
         target = config.gather_device or device
@@ -179,22 +180,22 @@ class SavesGather:
                     ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)) + "). Save the "
                     "same values on every rank, or use .save(gather='none') for rank-local "
                     "values.")
-            layouts = self._layouts(heads, pack, prev, device)
+            layouts = self._layouts(heads, layout, prev, device)
             plan = self._plans.get(layouts)
             if plan is None:
                 if len(self._plans) > 16:  # shapes that change every step: do not pile up plans
                     self._plans.clear()
-                plan = self._plans[layouts] = Plan(layouts, self.rank, self.world)
+                plan = self._plans[layouts] = JoinPlan(layouts, self.rank, self.world)
         if sent is not None:
             received = self._received(sent)
             self.guessed = True
         else:
             sizes, bound = _sizes(heads), _bound(heads)
             if _streamed(sizes, bound):
-                received, done = self._stream(plan, pack, tensors, sizes, bound, device, target)
+                received, done = self._stream(plan, layout, tensors, sizes, bound, device, target)
             else:
-                received = self._received(self._send(pack, tensors, sizes, device))
-        self._last, self._prev = (key, pack), (heads, layouts, plan)
+                received = self._received(self._send(layout, tensors, sizes, device))
+        self._last, self._prev = (key, layout), (heads, layouts, plan)
         if not plan.wanted:
             return []
         values = plan.apply(received, target, done)
@@ -202,7 +203,7 @@ class SavesGather:
             return list(zip(tensors, values))
         return [(tensors[i], v) for i, v in zip(plan.wanted, values)]
 
-    def _small(self, head: list, pack, tensors: list, sizes: tuple, device) -> tuple:
+    def _small(self, head: list, layout, tensors: list, sizes: tuple, device) -> tuple:
         """Headers and a guessed payload in one ``all_gather``: every rank's headers, and the
         payload as already received sections (``_received``'s form)."""
         start = 8 * _HEADER
@@ -224,25 +225,25 @@ class SavesGather:
         if written[0] != head:
             head_view.copy_(torch.tensor(head))
             written[0] = head
-        if pack is not None and all(n <= g for n, g in zip(pack.nbytes, sizes) if g):
-            pack.write(parts, tensors, keep=True)
+        if layout is not None and all(n <= g for n, g in zip(layout.nbytes, sizes) if g):
+            layout.write(parts, tensors, keep=True)
         self._wait(self._all_gather(rows.view(-1), send), self.group)
         return heads.tolist(), received
 
-    def _stream(self, plan, pack, tensors: list, sizes: tuple, bound: int, device, target):
+    def _stream(self, plan, layout, tensors: list, sizes: tuple, bound: int, device, target):
         """The payload of each section larger than ``bound`` in collectives of at most
         ``bound`` bytes a rank, each chunk copied into the global values before the next is
         sent: this rank's receive buffer is ``world * bound`` bytes, not ``world * size``.
         Sections within the bound go in one collective as usual. Returns the receive rows of
         those, and the streamed values by tensor index."""
         small = tuple(size if size <= bound else 0 for size in sizes)
-        received = self._received(self._send(pack, tensors, small, device))
+        received = self._received(self._send(layout, tensors, small, device))
         done, chunk = {}, None
         for section, size in enumerate(sizes):
             if size <= bound:
                 continue
             send = self._alloc("send", size, torch.uint8, device)
-            pack.write({section: send}, tensors)
+            layout.write({section: send}, tensors)
             keep = section == 1 or self.rank == 0
             values, segments = plan.destinations(section, target) if keep else ({}, None)
             if keep and chunk is None:  # one for every section streamed
@@ -262,7 +263,7 @@ class SavesGather:
                 done.update(plan.finish(values))
         return received, done
 
-    def _layouts(self, heads: list, pack, prev, device) -> tuple:
+    def _layouts(self, heads: list, layout, prev, device) -> tuple:
         """Every rank's layout: from the previous trace where a rank's repeats, else sent."""
         if prev is not None and all(h[4] for h in heads):
             return prev[1]
@@ -270,20 +271,20 @@ class SavesGather:
         rows = self._alloc("layouts", self.world * longest, torch.int64, device)
         mine = torch.zeros(longest, dtype=torch.int64)
         if heads[self.rank][3]:
-            mine[:len(pack.meta)] = torch.tensor(pack.meta)
+            mine[:len(layout.meta)] = torch.tensor(layout.meta)
         self._wait(self._all_gather(rows, mine.to(device)), self.group)
         rows = rows.view(self.world, longest).tolist()
         return tuple(prev[1][r] if h[4] else tuple(rows[r][:h[3]]) for r, h in enumerate(heads))
 
-    def _send(self, pack, tensors: list, sizes: tuple, device) -> list:
+    def _send(self, layout, tensors: list, sizes: tuple, device) -> list:
         """Start the payload's collectives, one per section that any rank has bytes in, each
-        rank sending ``sizes[section]`` bytes (this rank's saves when ``pack`` is given and they
+        rank sending ``sizes[section]`` bytes (this rank's saves when ``layout`` is given and they
         fit, else bytes nobody reads). Returns ``[(section, work, receive rows or None)]``."""
         for name in ("send", "receive"):  # a guess sent before is freed by now
             self.allocated.pop(name, None)
         sends = [self._alloc("send", size, torch.uint8, device) for size in sizes]
-        if pack is not None and all(n <= size for n, size in zip(pack.nbytes, sizes) if size):
-            pack.write({i: send for i, send in enumerate(sends) if sizes[i]}, tensors)
+        if layout is not None and all(n <= size for n, size in zip(layout.nbytes, sizes) if size):
+            layout.write({i: send for i, send in enumerate(sends) if sizes[i]}, tensors)
         started = []
         for section, (send, size) in enumerate(zip(sends, sizes)):
             if not size:

@@ -168,7 +168,7 @@ class SavesGather:
         done: dict = {}
         if prev is not None and all(h[4] and h[:3] == p[:3] and h[5] == p[5]
                                     for h, p in zip(heads, prev[0])):
-            layouts, plan = prev[1], prev[2]  # as before: nothing to check, nothing to plan
+            layouts, plan = prev[1], prev[2]  # the previous trace's: nothing to check or plan
         else:
             if sent is not None:
                 self._received(sent)  # every rank waits for it (if not done), then drops it

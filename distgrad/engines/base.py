@@ -187,7 +187,8 @@ class ShardViews:
         ``(args, kwargs)``); ``label`` (``model.h[0].output``) names it in errors. ``shown`` has
         ``value``'s structure with every sharded tensor replaced by the whole one; ``token`` is
         None where nothing in ``value`` was sharded (``shown`` is then ``value``, and ``place``
-        is not called)."""
+        is not called). Not called where every body waiting there asked for this rank's own
+        value (``.local``)."""
         raise NotImplementedError
 
     def place(self, token, reply):
@@ -222,5 +223,5 @@ class ShardViews:
         raise NotImplementedError
 
     def clear(self) -> None:
-        """Forget the trace's shown values (what ``source`` answers from). Called on every rank
-        when a trace ends."""
+        """Let go of the trace's shown values (what ``source`` answers from), so that they do
+        not outlive it. Called on every rank when a trace ends. Default: nothing."""

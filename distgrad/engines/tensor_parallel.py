@@ -152,7 +152,7 @@ class TensorParallelViews(ShardViews):
         self.agreement = None    # an Agreement where the mesh is on the CPU (select_engine)
 
     def clear(self) -> None:
-        """Forget the trace's whole values: the next trace's ids may repeat them."""
+        """Let go of the trace's whole values and the shards they came from."""
         self.sources.clear()
 
     # -- hook values ---------------------------------------------------------------------

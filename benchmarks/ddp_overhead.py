@@ -4,8 +4,9 @@
 
 Part A: one traced step (save h[0]'s gradient, double it, gather the save to rank 0) against
 the same step with raw hooks and one manual all_gather. Part B: gathering S saved tensors with
-distgrad's end-of-trace exchange against one raw all_gather of the same bytes. Both ranks run
-the same interleaved sequence (the collectives must match); rank 0 prints medians and ratios.
+distgrad's end-of-trace gather (``SavesGather``) against one raw all_gather of the same bytes.
+Both ranks run the same interleaved sequence (the collectives must match); rank 0 prints medians
+and ratios.
 """
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def main():
         saves = [(t, "rank0", 0) for t in tensors]
         flat = torch.cat([t.reshape(-1) for t in tensors])
         parts = [torch.empty_like(flat) for _ in range(world)]
-        exchange = gather.Exchange(dist.group.WORLD, rank, world)
-        exchange(saves)  # the first call agrees on the layouts; later ones send header and payload at once
+        saves_gather = gather.SavesGather(dist.group.WORLD, rank, world)
+        # the first call agrees on the layouts; later ones send header and payload at once
+        saves_gather(saves)
         for tensor, original in zip(tensors, originals):
             tensor.data = original
         one, ours = [], []
@@ -92,7 +94,7 @@ def main():
             for _ in range(10):
                 dist.barrier()
                 t = time.perf_counter_ns()
-                exchange(saves)  # what end_trace does; it rebinds each saved tensor to its result
+                saves_gather(saves)  # as end_trace does: rebinds each saved tensor to its result
                 ours.append(time.perf_counter_ns() - t)
                 for tensor, original in zip(tensors, originals):
                     tensor.data = original
@@ -101,7 +103,7 @@ def main():
     if rank == 0:
         print(f"torch {torch.__version__}, {world} ranks, gloo, 1 thread each, median of {args.steps}")
         print_ratios(times, "raw hooks + all_gather")
-        print("\n| saved tensors S | one raw all_gather us | distgrad exchange us | ratio |\n|---:|---:|---:|---:|")
+        print("\n| saved tensors S | one raw all_gather us | distgrad gather us | ratio |\n|---:|---:|---:|---:|")
         for s, (one, ours) in by_count.items():
             print(f"| {s} | {one:.1f} | {ours:.1f} | {ours / one:.2f}x |")
     dist.destroy_process_group()

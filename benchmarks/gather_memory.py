@@ -4,21 +4,21 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 8 benchmarks/gather_memory.py --chunk-mib 1
 
 S saved tensors of ``--mib`` MiB each (float32, rows joined on dim 0) are gathered to rank 0 by
-distgrad's exchange (what ``end_trace`` calls). Memory, per rank, for one gather of fresh
+distgrad's ``SavesGather`` (what ``end_trace`` calls). Memory, per rank, for one gather of fresh
 tensors:
 
-* ``allocated``: the bytes of the buffers the exchange allocated (``Exchange.allocated``: send,
+* ``allocated``: the bytes of the buffers the gather allocated (``SavesGather.allocated``: send,
   receive, headers, layouts; not the global values rank 0 builds from the receive buffer);
 * ``RSS growth``: the process's peak resident memory after the gather (``ru_maxrss``) less its
   resident memory before it (``/proc/self/statm``): everything the gather touched, the
   backend's own buffers and rank 0's global values included. Measured for S in increasing
   order, so each gather sets a new peak.
 
-Time, median of ``--steps`` after a warm-up (every step starts on a barrier): the exchange;
+Time, median of ``--steps`` after a warm-up (every step starts on a barrier): the gather;
 what a user writes by hand (one ``dist.gather`` to rank 0 per tensor); one raw ``dist.gather``
 of all S tensors' bytes at once (the floor). Rank 0 prints one row per S for this world size.
 Run with another ``PYTHONPATH`` the same script measures another version of distgrad (its
-RSS only, where its exchange has no ``allocated``).
+RSS only, where its gather has no ``allocated``).
 """
 from __future__ import annotations
 
@@ -68,15 +68,15 @@ def main():
 
     results = {}
     for count in args.counts:
-        # memory: one gather of fresh tensors in a fresh exchange (its first trace)
+        # memory: one gather of fresh tensors in a fresh SavesGather (its first trace)
         tensors = saves_of(count)
         originals = [t.clone() for t in tensors]
-        exchange = gather.Exchange(dist.group.WORLD, rank, world)
+        saves_gather = gather.SavesGather(dist.group.WORLD, rank, world)
         dist.barrier()
         before = resident()
-        exchange([(t, "rank0", 0) for t in tensors])
+        saves_gather([(t, "rank0", 0) for t in tensors])
         grown = peak() - before
-        allocated = sum(getattr(exchange, "allocated", {}).values()) or None
+        allocated = sum(getattr(saves_gather, "allocated", {}).values()) or None
         # parity: rank 0 holds every rank's tensors joined, the others their own
         for i, tensor in enumerate(tensors):
             if rank == 0:
@@ -96,7 +96,7 @@ def main():
         flat_slots = [torch.empty_like(flat) for _ in range(world)] if rank == 0 else None
 
         def ours():
-            exchange(saves)
+            saves_gather(saves)
             for tensor, original in zip(tensors, originals):
                 tensor.data = original
 

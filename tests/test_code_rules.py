@@ -164,14 +164,17 @@ def test_demo_imports_go_down():
 
 
 def _engine_uses(tree):
-    """(line, what) for each attribute the code reads on an engine (``engine.x``,
-    ``self.engine.x``, ``self._engine.x``, ``self.backend.x``), and each ``getattr`` on one
-    (which would hide an undeclared name)."""
+    """(line, role, what) for each attribute the code reads on an engine (``engine.x``,
+    ``self.engine.x``, ``self._engine.x``, ``self.backend.x``: role ``"engine"``) or on an
+    engine's views of sharded values (``session.views.x``, ``self.views.x``, ``views.x``: role
+    ``"views"``), and each ``getattr`` on either (which would hide an undeclared name)."""
     engine_names = {"engine", "_engine", "backend"}
 
     def role(node):
         name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
-        return "engine" if name in engine_names else None
+        if name in engine_names:
+            return "engine"
+        return "views" if name == "views" else None
 
     found = []
     for node in ast.walk(tree):
@@ -186,19 +189,41 @@ def _engine_uses(tree):
 
 def test_the_core_uses_only_what_engines_declare():
     """The core (distgrad/, but not the engines or the demos) calls an engine only through what
-    ``engines.base.Engine`` declares: base.py is the whole interface. (What a body asks for
-    reaches an engine's own run through ``requests.Requests``, the core's seam.)"""
-    from distgrad.engines.base import Engine
-    declared = {"engine": Engine}
+    ``engines.base.Engine`` declares, and an engine's ``views`` only through what
+    ``engines.base.ShardViews`` declares: base.py is the whole interface. The engines too reach
+    ``views`` only through ``ShardViews`` (``Engine.output_holders``, the end of a trace), but
+    for tensor_parallel.py, which makes its own. (What a body asks for reaches an engine's own
+    run through ``requests.Requests``, the core's seam.)"""
+    from distgrad.engines.base import Engine, ShardViews
+    declared = {"engine": Engine, "views": ShardViews}
     undeclared = []
     for path in sorted(PACKAGE.rglob("*.py")):
         inside = path.relative_to(PACKAGE).parts
-        if inside[0] == "engines" or inside[0].startswith("demo"):
+        if inside[0].startswith("demo") or inside == ("engines", "tensor_parallel.py"):
             continue
+        checked = {"views"} if inside[0] == "engines" else {"engine", "views", "getattr"}
         for line, role, what in _engine_uses(ast.parse(path.read_text(), str(path))):
-            if role == "getattr" or not hasattr(declared[role], what):
+            if role in checked and (role == "getattr" or not hasattr(declared[role], what)):
                 undeclared.append(f"{path.relative_to(PACKAGE)}:{line}: {role} {what}")
     assert not undeclared, "undeclared engine interface:\n" + "\n".join(undeclared)
+
+
+def test_the_checks_see_the_views_the_core_calls():
+    """The check above finds the core's calls on ``views`` (it would pass on finding none)."""
+    session = (PACKAGE / "interleave" / "session.py").read_text()
+    gradients = (PACKAGE / "interleave" / "gradients.py").read_text()
+    seen = {what for source in (session, gradients)
+            for _, role, what in _engine_uses(ast.parse(source)) if role == "views"}
+    assert {"show", "place", "show_grad", "place_grad", "source"} <= seen, seen
+
+
+def test_tensor_parallel_views_implement_what_is_declared():
+    from distgrad.engines.base import ShardViews
+    from distgrad.engines.tensor_parallel import TensorParallelViews
+    declared = [name for name in vars(ShardViews) if not name.startswith("_")]
+    assert issubclass(TensorParallelViews, ShardViews)
+    missing = [name for name in declared if name not in vars(TensorParallelViews)]
+    assert not missing, f"TensorParallelViews does not implement {missing}"
 
 
 # distgrad's modules in layers, lowest first. A module imports only from its own layer or the

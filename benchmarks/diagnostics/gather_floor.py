@@ -3,7 +3,7 @@
     python benchmarks/diagnostics/gather_floor.py [--sizes 1 4 16 64]
 
 The goal in docs/performance.md: the gather of S saved tensors costs at most 1.2x one raw
-all_gather of the same bytes, flat in S. Whatever the exchange does, on rank 0 each of the S
+all_gather of the same bytes, flat in S. Whatever the gather does, on rank 0 each of the S
 saved tensors the user holds must (1) be read for its dtype and shape, to know the ranks
 saved the same things, (2) get a new tensor object for its global value (a view of one
 gathered block), and (3) be rebound to it (``tensor.data = value``), because ``.save()``
@@ -53,7 +53,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2000)
     a = p.parse_args()
     torch.set_num_threads(1)
-    torch.set_grad_enabled(False)  # as in the exchange
+    torch.set_grad_enabled(False)  # as in SavesGather
     print("| saved tensors S | all three steps us | us per tensor | (1) layout us | (2) values "
           "us | (3) rebinding us |\n|---:|---:|---:|---:|---:|---:|")
     for s in a.sizes:

@@ -1,5 +1,5 @@
-"""Engines: one file per way of running a model, behind ``base.Engine``; ``select`` picks the one
-for a wrapped object.
+"""Engines: one file per way of running a model, behind ``base.Engine`` (and ``base.ShardViews``
+where hook values are sharded across ranks); ``select`` picks the one for a wrapped object.
 
 * ``local.py``, ``ddp.py``, ``fsdp1.py``, ``fsdp2.py``, ``deepspeed.py``, ``accelerate.py``,
   ``tensor_parallel.py``: one engine each;

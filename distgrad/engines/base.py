@@ -1,7 +1,8 @@
 """The one interface between the tracing core and a parallel engine.
 
 The core (``trace.py``, ``envoy.py``, ``backward.py``, ``interleave/``) uses an engine only
-through the attributes and methods of ``Engine`` below; each engine (DDP, FSDP, DeepSpeed, accelerate,
+through the attributes and methods of ``Engine`` below, and an engine's ``views`` of sharded
+values only through those of ``ShardViews``; each engine (DDP, FSDP, DeepSpeed, accelerate,
 tensor and pipeline parallel) is one file, or one folder, that implements them. The
 single-process engine is ``local.py``. An engine that runs the trace body itself
 (``captures_body``) serves the body's requests through the core's own seam: each body it runs
@@ -25,10 +26,11 @@ class Engine:
 
     #: The engine's short name (``"ddp"``, ``"fsdp2"``, ...), for messages and for the user.
     name = "base"
-    #: How hook values are shown to the body. The core reads it when it opens a forward or a
-    #: backward block's session and hands it to that session. None (the default) shows values as
-    #: they are; tensor parallelism sets a ``TensorParallelViews`` (whole values in, shards out;
-    #: ``tensor_parallel.py``).
+    #: How hook values are shown to the body: a ``ShardViews`` (below) where they are sharded
+    #: across ranks, or None (the default): values as they are. The core reads it when it opens
+    #: a forward or a backward block's session and hands it to that session, which calls the
+    #: methods ``ShardViews`` declares. Tensor parallelism sets a ``TensorParallelViews``
+    #: (``tensor_parallel.py``).
     views = None
     #: Whether the engine runs the trace body itself, once per piece of the step (pipeline
     #: parallelism: once per microbatch). The core reads it when a trace opens; if true it
@@ -163,3 +165,59 @@ class Engine:
         """The size of that group. Not called by the core (for users and engines). Default 1."""
         return 1
 
+
+class ShardViews:
+    """How an engine whose hook values are sharded across ranks shows each value whole to the
+    body, and places the body's reply back as this rank's shard. An engine's ``views``; the
+    core's session calls these methods at each hook value or gradient a body waits for, on every
+    rank in the same order (every rank runs the same body), so an implementation may make one
+    collective per call of ``show`` or ``show_grad``. ``place`` and ``place_grad`` cut locally.
+
+    A *token* is the implementation's own record of one shown value, handed back unchanged to
+    ``place``; a *split* is its record of how a gradient is sharded, from ``source`` or
+    ``show_grad`` to ``show_grad`` or ``place_grad``. The core never looks inside either."""
+
+    def show(self, kind: str, module: torch.nn.Module, value, label: str = "the value"):
+        """The value the body sees at ``module``'s hook, as ``(shown, token)``. ``kind`` is
+        ``"output"`` (``value``: what the module returned) or ``"input"`` (``value``:
+        ``(args, kwargs)``); ``label`` (``model.h[0].output``) names it in errors. ``shown`` has
+        ``value``'s structure with every sharded tensor replaced by the whole one; ``token`` is
+        None where nothing in ``value`` was sharded (``shown`` is then ``value``, and ``place``
+        is not called). Not called where every body waiting there asked for this rank's own
+        value (``.local``)."""
+        raise NotImplementedError
+
+    def place(self, token, reply):
+        """What the hook returns after the body was shown a value: ``reply`` is the body's
+        assignment (whole values, in the shown value's structure) or None where it assigned
+        nothing. Returns the value to go on with, its whole tensors cut back to this rank's
+        shards (an in-place edit of a shown tensor counts as an assignment of it), or None where
+        the body changed nothing. Raises ValueError where ``reply`` cannot be cut back."""
+        raise NotImplementedError
+
+    def source(self, tensor: torch.Tensor):
+        """For a whole tensor of this trace (one ``show`` gave the body, or one the body
+        assigned and ``place`` cut back): ``(tensor that flows on, split)``, the tensor to hook
+        for this value's gradient and how that gradient is sharded. None for any other tensor
+        (its gradient is hooked on itself and shown as it is)."""
+        raise NotImplementedError
+
+    def show_grad(self, split, grad: torch.Tensor):
+        """The gradient the body sees, as ``(whole gradient, split)``: ``grad`` arrived at the
+        tensor ``source`` named, sharded as ``split`` says; the split returned is the one
+        ``place_grad`` takes (the gradient's own, where it says how it is sharded)."""
+        raise NotImplementedError
+
+    def place_grad(self, split, whole: torch.Tensor) -> torch.Tensor:
+        """The gradient the hook returns for the body's assigned ``whole`` gradient: this
+        rank's shard of it, as ``split`` (from ``show_grad``) says."""
+        raise NotImplementedError
+
+    def output_holders(self, module: torch.nn.Module) -> list[int] | None:
+        """The ranks of the job that hold the same plain tensor as this one when ``module``
+        returns it, or None where it is this rank's shard. ``Engine.output_holders``."""
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        """Let go of the trace's shown values (what ``source`` answers from), so that they do
+        not outlive it. Called on every rank when a trace ends. Default: nothing."""

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..torch_internals import closure_cells, forward_hooks, forward_pre_hooks, pytree, version
+from .base import ShardViews
 from .ddp import DDPEngine
 from .fsdp2 import FSDP2Engine, ShardedParam, is_fully_sharded
 from .ranks import Agreement, DistributedEngine
@@ -136,8 +137,10 @@ class _Joined(torch.autograd.Function):
         return (grad.narrow(ctx.dim, ctx.start, ctx.size), None, None) + (None,) * ctx.pieces
 
 
-class TensorParallelViews:
-    """Shows the body whole values and puts its replies back as shards (see the module text)."""
+class TensorParallelViews(ShardViews):
+    """Shows the body whole values and puts its replies back as shards (see the module text):
+    the ``ShardViews`` of tensor parallelism. A token is ``(pytree spec, leaves, converted,
+    label)``; a split is ``(mesh, placements, is a DTensor, shape, stride)``."""
 
     def __init__(self, parallel: dict, shards: dict | None = None):
         self.parallel = parallel
@@ -149,11 +152,13 @@ class TensorParallelViews:
         self.agreement = None    # an Agreement where the mesh is on the CPU (select_engine)
 
     def clear(self) -> None:
+        """Let go of the trace's whole values and the shards they came from."""
         self.sources.clear()
 
     # -- hook values ---------------------------------------------------------------------
     def show(self, kind: str, module, value, label: str = "the value"):
-        """``(whole value, token)``; token None when nothing was sharded."""
+        """``(whole value, token)``; token None when nothing was sharded. A DTensor leaf is
+        sharded as it says; a plain tensor where the module's output placement is a shard."""
         DTensor = _dtensor()
         plain = self.parallel.get(module, (None, None))[1] if kind == "output" else None
         if isinstance(value, torch.Tensor) and plain is None and not isinstance(value, DTensor):
@@ -180,7 +185,8 @@ class TensorParallelViews:
 
     def place(self, token, reply):
         """The reply the hook returns: the body's whole values cut back to shards (None: the
-        body changed nothing)."""
+        body changed nothing). A cut tensor is entered in ``sources``, so that its gradient is
+        hooked on the shard."""
         spec, leaves, converted, label = token
         if reply is None:  # edited in place, if at all
             if all(version(whole) == seen for _, whole, seen, _ in converted):
@@ -213,8 +219,8 @@ class TensorParallelViews:
         return piece
 
     def output_holders(self, module) -> list[int] | None:
-        """The ranks holding the same plain tensor ``module`` returns: this rank's
-        tensor-parallel group, unless the plan or ``tp_shards`` says it is a shard."""
+        """This rank's tensor-parallel group, unless the plan or ``tp_shards`` says the plain
+        tensor ``module`` returns is a shard (None)."""
         if self.parallel.get(module, (None, None))[1] is not None:
             return None
         return sorted(dist.get_process_group_ranks(self.mesh.get_group()))
@@ -228,6 +234,7 @@ class TensorParallelViews:
         return entry[1], entry[2]
 
     def show_grad(self, split, grad):
+        """The whole gradient, gathered as ``split`` says (or as the DTensor ``grad`` says)."""
         mesh, placements, is_dtensor, _, _ = split
         label = f"a gradient of shape {tuple(grad.shape)}"
         with torch.no_grad():
@@ -257,6 +264,7 @@ class TensorParallelViews:
             self.agreement.agree(label)
 
     def place_grad(self, split, whole):
+        """This rank's part of ``whole``, outside autograd (a gradient hook's return)."""
         with torch.no_grad():
             return self._cut(whole, split)
 

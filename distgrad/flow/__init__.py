@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from .draw import draw
 from .recorder import Recorder
-from .run import FlowRun
+from .flow_run import FlowRun
 
 
 def load(path: str) -> FlowRun:

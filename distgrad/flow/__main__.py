@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from .draw import draw
-from .run import FlowRun
+from .flow_run import FlowRun
 
 
 def main(argv=None) -> int:

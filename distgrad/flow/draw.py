@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .run import FlowRun
+from .flow_run import FlowRun
 
 
 def grid(rows: list[list[float]]):

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from ..trace import engine_of
-from .run import FlowRun
 from torch.distributed.tensor import DTensor
 
+from ..trace import engine_of
+from .flow_run import FlowRun
 from .squares import (Activation, Params, check_copies, check_partial_layout, partial_layout,
                       partial_squares)
 

@@ -4,7 +4,7 @@
 Rank 0's process ends while rank 1 holds the GIL, in C, into the interpreter's shutdown, so
 that a collective rank 1 gave up on fails on a worker thread that then waits for the GIL until
 the shutdown has begun. A worker that frees a tensor Python holds there aborts the process
-(the fix: distgrad/engines/ranks/given_up.py).
+(the fix: distgrad/engines/ranks/abandoned.py).
 
 Imported by job.py before anything else, and with the standard library only: exit handlers run
 last first, so rank 1's hold, registered first, is the last thing before the shutdown (a

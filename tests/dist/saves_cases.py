@@ -101,7 +101,7 @@ def case_gather_memory(model, wrapped, rank, world):
     """gather="rank0" saves go to rank 0 alone: a rank other than 0 allocates its own saved bytes
     and 48 bytes of header a rank, and receives nothing, whatever the world size (the job runs
     on 2 and on 4 ranks); rank 0 receives every rank's bytes. (A repeated gather of at most
-    Exchange.small_bytes from all ranks is one all_gather of headers and payload, received by
+    SavesGather.small_bytes from all ranks is one all_gather of headers and payload, received by
     every rank: turned off here, to see the rule on saves of any size; tests/dist/gather_job.py
     covers both.) gather="all" saves still reach
     every rank. Values equal the oracle's, also landed on the CPU by config.gather_device,
@@ -109,13 +109,14 @@ def case_gather_memory(model, wrapped, rank, world):
     bound), and on the steady path (a trace that repeats the one before sends the payload
     before the headers; not when streamed)."""
     engine = model._engine
-    exchange = getattr(engine, "inner", engine)._exchange  # accelerate composes another engine
+    # (accelerate composes another engine)
+    saves_gather = getattr(engine, "inner", engine).saves_gather
     sizes = [2] * world
     ids = global_ids(sum(sizes))
     local = ids[rows_of(rank, sizes)]
     ref = oracle(ids)
     logits_bytes = 2 * 8 * ref["losses"].shape[-1] * 4  # [2, 8, vocab] floats a rank
-    small, exchange.small_bytes = exchange.small_bytes, 0
+    small, saves_gather.small_bytes = saves_gather.small_bytes, 0
     try:
         steps = ([("rank0", None, None)] * 3 + [("all", None, None)] * 2 +
                  [("rank0", "cpu", None), ("all", "cpu", None)] +
@@ -131,7 +132,7 @@ def case_gather_memory(model, wrapped, rank, world):
                     g = a.grad.save(gather=mode)
                 total = loss.detach().save(gather=mode)  # 0-dim: 8 bytes padded from 4
             own = logits_bytes + 2 * 8 * ref["g0"].shape[-1] * 4 + 8
-            got = exchange.allocated
+            got = saves_gather.allocated
             kept = rank == 0 or mode == "all"
             expected = {"headers": 48 * world, "send": own,
                         "receive": world * (bound or own) if kept else 0}
@@ -139,9 +140,9 @@ def case_gather_memory(model, wrapped, rank, world):
                 raise AssertionError(f"step {step} ({mode}) rank {rank} allocated {got}, "
                                      f"expected {expected}")
             steady = step in (1, 2, 4)  # a trace that repeats the one before it
-            if exchange.guessed != steady or steady and "layouts" in got:
+            if saves_gather.guessed != steady or steady and "layouts" in got:
                 raise AssertionError(f"step {step}: payload sent before the headers: "
-                                     f"{exchange.guessed}, allocated {got}")
+                                     f"{saves_gather.guessed}, allocated {got}")
             if kept:
                 close(logits, ref["losses"], f"gathered logits, step {step} ({mode})")
                 close(g, ref["g0"], f"gathered h[0] gradient, step {step} ({mode})")
@@ -156,4 +157,4 @@ def case_gather_memory(model, wrapped, rank, world):
             clear_grads(wrapped)
     finally:
         distgrad.config.gather_device = distgrad.config.gather_chunk_bytes = None
-        exchange.small_bytes = small
+        saves_gather.small_bytes = small

@@ -36,9 +36,9 @@ from ...interleave.session import current_body
 from ...saving import LabelledSaves
 from ...torch_internals import default_store
 from ..base import Engine
+from .abandoned import keep_until_exit
 from .agreement import Agreement, asked, where
-from .gather import Exchange, refuse_model_state
-from .given_up import keep_for_life
+from .gather import SavesGather, refuse_model_state
 
 
 class DistributedEngine(Engine):
@@ -60,12 +60,12 @@ class DistributedEngine(Engine):
         self._traces = 0   # traces ended (incremented as end_trace starts)
         self.running = 1  # the number of the trace running, or of the last one (keys use it)
         # gather=False: every rank already holds the global values (tensor parallel alone)
-        self._exchange = (Exchange(self.group, self._rank, self._world,
-                                   wait=self.wait_in_slices) if gather else None)
+        self.saves_gather = (SavesGather(self.group, self._rank, self._world,
+                                         wait=self.wait_in_slices) if gather else None)
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
         self.store = _store()
-        self._watch = _Watch(self)
+        self._watch = _FailureWatcher(self)
         # rank-dependent requests raise instead of hanging (agreement.py): parameter gradients
         # of sharded engines here, tensor-parallel views in tensor_parallel.py
         self.agreements: list = []
@@ -101,7 +101,7 @@ class DistributedEngine(Engine):
     def begin_trace(self) -> None:
         self.running = self._traces + 1
         self._watch.active.set()
-        if self._exchange is not None:
+        if self.saves_gather is not None:
             # name each saved gradient too, so that the gather can check that the ranks saved
             # the same values (gather.py): the trace's body is current while it opens
             body = current_body()
@@ -119,7 +119,7 @@ class DistributedEngine(Engine):
         the failure key after each slice, then calling ``after_slice``. (A timed wait on a
         collective closes nothing; on a gloo receive it would close the whole group: see
         ``../pipeline/messages.py``.) Leaving with the collective still pending keeps ``group``
-        and ``work`` for the life of the process (``given_up.py``)."""
+        and ``work`` until the process exits (``abandoned.py``)."""
         try:
             while True:
                 try:
@@ -131,7 +131,7 @@ class DistributedEngine(Engine):
                 self.check_failure()
                 after_slice()
         except BaseException:
-            keep_for_life(group, [work])
+            keep_until_exit(group, [work])
             raise
 
     def check_failure(self, ask_the_store: bool = True) -> None:
@@ -158,14 +158,14 @@ class DistributedEngine(Engine):
             self.views.clear()
         if error is not None:
             return self._fail(error)
-        if self._exchange is None:
+        if self.saves_gather is None:
             return None
         refused = refuse_model_state(saves, self.model) if saves else None
         if refused is not None:  # every rank alike: the ranks run the same body
             self._fail(refused)
             return refused
         try:
-            self._exchange(saves)  # rebinds saved tensors: the user's names show global values
+            self.saves_gather(saves)  # rebinds saved tensors: the user's names see global values
         except RuntimeError as exc:  # the group broke under us: a peer failed
             raise self._peer_failure(exc) from exc
         return None
@@ -225,10 +225,11 @@ class DistributedEngine(Engine):
             pass
 
 
-class _Watch:
-    """While a trace runs, reads its failure key every 0.1 s, so that a peer knows the message
-    before the store's host is gone; between traces it sleeps and touches nothing. One daemon
-    thread per engine; it ends with the engine."""
+class _FailureWatcher:
+    """A daemon thread per engine (its ``_watch``) that, while a trace runs, reads the trace's
+    failure key every 0.1 s, so that a peer knows the message before the store's host is gone,
+    and answers a waiting peer's question where this rank is (``answering``). Between traces it
+    sleeps and touches nothing; it ends with the engine."""
 
     def __init__(self, engine: DistributedEngine):
         self.store, self.rank = engine.store, engine.job_rank

@@ -2,9 +2,10 @@
 back into global values (``engines/ranks/gather.py`` moves the bytes).
 
 A layout is a flat list of int64s per rank: for each saved tensor its dtype code, mode, dim,
-shape and label. ``Pack`` writes one layout of saves into the send buffers; ``Plan`` turns the
-ranks' layouts into the global values this rank keeps, checking alike on every rank that the
-ranks saved the same values and that they join.
+shape and label. A ``SendLayout`` is this rank's layout and where each saved tensor lies in its
+send buffers (it writes them); a ``JoinPlan`` is the plan, for one set of all ranks' layouts, of
+how the received bytes join into the global values this rank keeps, checking alike on every
+rank that the ranks saved the same values and that they join.
 """
 from __future__ import annotations
 
@@ -71,8 +72,10 @@ def label_words(label: tuple) -> list:
     return [len(data), *struct.unpack(f"<{len(padded) // 8}q", padded)]
 
 
-class Pack:
-    """How this rank writes one layout of saves into its send buffers, one per section."""
+class SendLayout:
+    """This rank's layout of one trace's saves (``meta``: the int64s the other ranks receive)
+    and where each saved tensor lies in the send buffers, one per section (``write`` puts them
+    there)."""
 
     def __init__(self, key: list):
         self.meta = []
@@ -88,7 +91,7 @@ class Pack:
         self._views = None  # (send buffers kept from trace to trace, the views into them)
 
     def write(self, sends: dict, tensors: list, keep: bool = False):
-        """Pack the sections ``sends`` names (section -> its send buffer). ``keep``: the
+        """Write the saves of the sections ``sends`` names (section -> its send buffer). ``keep``: the
         buffers are kept from trace to trace, so the views into them are kept too."""
         views = self._views
         if views is None or views[0] is not sends:
@@ -118,8 +121,9 @@ def uniform(specs: list) -> bool:
     return bool(specs) and len({(s[0], s[1]) for s in specs}) == 1 and specs[0][5] % 8 == 0
 
 
-class Plan:
-    """How this rank cuts one set of gathered layouts into the global values it wants.
+class JoinPlan:
+    """How this rank cuts the bytes received under one set of all ranks' layouts and joins them
+    into the global values it keeps (``wanted``).
 
     Per section: when every rank saved S tensors of one shape and dtype joined on dim 0 (or
     0-dim, stacked to ``[world]``), its rows are ``[world, S, n]`` blocks: one transposing copy

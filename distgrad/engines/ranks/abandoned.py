@@ -1,5 +1,5 @@
-"""Collectives a rank gave up on (it stopped waiting because a peer failed): kept, with their
-group, until the process ends.
+"""Abandoned collectives: those a rank stopped waiting for because a peer failed. Each is kept,
+with its group, until the process exits.
 
 Such a collective still blocks one of its group's worker threads until the peers' connections
 close - which, for a peer that waits for this rank, happens only when that peer's process ends,
@@ -21,7 +21,7 @@ from __future__ import annotations
 from ...torch_internals import never_free
 
 
-def keep_for_life(group, works) -> None:
+def keep_until_exit(group, works) -> None:
     """Never free ``group``, nor those of ``works`` (collectives on it) not completed yet."""
     pending = [work for work in works if not work.is_completed()]
     if pending:

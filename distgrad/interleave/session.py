@@ -125,7 +125,7 @@ class Session:
     ``kind``: "forward" or "backward"; ``fn``: the run, a function of nothing; ``bodies``: the
     bodies it serves, in invoke order; ``size``: the batch size, to split values between
     invokes; ``threaded``: run ``fn`` in a worker thread (``ThreadTransport``), else a greenlet;
-    ``views``: the engine's views of sharded values (``engines/base.py``), or None: values as
+    ``views``: the engine's ``ShardViews`` (``engines/base.py``), or None: values as
     they are; ``scale``: a loss scaler's scale, to show gradients unscaled (``scaling.py``);
     ``hand``: for a scheduler that serves hooks itself (the pipeline's step on the trace's
     stack), what the hooks call instead of the transport's hand-off.

@@ -65,11 +65,11 @@ def case_watch_only_in_traces(model, wrapped, rank, world):
     engine = getattr(engine, "inner", engine)  # accelerate composes another engine
     ids = global_ids(2 * world)[rows_of(rank, [2] * world)]
     with model.trace(ids):
-        during = engine._watch.active.is_set()
+        during = engine.failure_watcher.active.is_set()
         model.output.logits.save()
-    if not during or engine._watch.active.is_set():
+    if not during or engine.failure_watcher.active.is_set():
         raise AssertionError(f"watcher active during a trace: {during}, after it: "
-                             f"{engine._watch.active.is_set()}")
+                             f"{engine.failure_watcher.active.is_set()}")
 
 
 def case_param_write(model, wrapped, rank, world):

@@ -65,7 +65,7 @@ class PipelineAdapter(DistributedEngine):
         # raises alike: a rank refusing before the all_gather would leave the others in it.
         refusal = self.placement.refusal()
         if refusal is not None:
-            self._watch.stop()  # nothing left behind: the failure watcher's thread ends
+            self.failure_watcher.stop()  # nothing left behind: the failure watcher's thread ends
             raise NotImplementedError(refusal)
         # (action, stage, microbatch) -> a receive buffer with room for a bundle (messages.py)
         self.piggyback_buffers: dict = {}

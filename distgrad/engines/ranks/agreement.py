@@ -21,7 +21,7 @@ so that ranks at values of different sizes still send the same number of bytes -
 per value shown whole. The collective is waited for in slices of ``config.failure_timeout``
 seconds (a timed wait on a collective closes nothing). Ranks at different requests raise
 ``TraceStateError`` there, all of them. A rank that has waited a slice says so in the job's
-store; every rank's failure watcher (``engine.py``'s ``_FailureWatcher``) then writes where
+store; every rank's failure watcher (``engine.py``'s ``FailureWatcher``) then writes where
 its own rank is (``publish_state``): how many requests it has agreed on and whether a thread of
 it sits in torch's collective code. When a peer is behind and sits in torch's collective for two
 slices in a row, it waits for this rank in a collective this rank will never join: this rank

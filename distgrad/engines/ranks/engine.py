@@ -65,7 +65,7 @@ class DistributedEngine(Engine):
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
         self.store = _store()
-        self._watch = _FailureWatcher(self)
+        self.failure_watcher = FailureWatcher(self)
         # rank-dependent requests raise instead of hanging (agreement.py): parameter gradients
         # of sharded engines here, tensor-parallel views in tensor_parallel.py
         self.agreements: list = []
@@ -100,7 +100,7 @@ class DistributedEngine(Engine):
     # -- the start and end of every trace -------------------------------------------------
     def begin_trace(self) -> None:
         self.running = self._traces + 1
-        self._watch.active.set()
+        self.failure_watcher.active.set()
         if self.saves_gather is not None:
             # name each saved gradient too, so that the gather can check that the ranks saved
             # the same values (gather.py): the trace's body is current while it opens
@@ -112,7 +112,7 @@ class DistributedEngine(Engine):
         try:
             return self._end_trace(saves, error)
         finally:
-            self._watch.active.clear()
+            self.failure_watcher.active.clear()
 
     def wait_in_slices(self, work, group, after_slice=lambda: None) -> None:
         """Wait for a collective on ``group`` in slices of ``failure_timeout`` seconds, reading
@@ -139,9 +139,9 @@ class DistributedEngine(Engine):
         failure watcher has seen it (every 0.1 s, and it outlives the store's host), or, with
         ``ask_the_store``, as the store says now."""
         key = self.key_now()
-        found = self._watch.seen.get(key)
+        found = self.failure_watcher.seen.get(key)
         if found is None and ask_the_store:
-            found = self._watch.read(key)
+            found = self.failure_watcher.read(key)
         if found is not None:
             raise RuntimeError(f"Connection closed: {found[1]}")
 
@@ -199,9 +199,9 @@ class DistributedEngine(Engine):
     def _peer_failure(self, error: BaseException) -> RankFailedError:
         key = self._key()
         deadline = time.monotonic() + config.failure_timeout
-        found = self._watch.seen.get(key)
+        found = self.failure_watcher.seen.get(key)
         while found is None and time.monotonic() < deadline:
-            found = self._watch.read(key)
+            found = self.failure_watcher.read(key)
             if found is None:
                 time.sleep(0.05)
         _break_connections()
@@ -225,8 +225,8 @@ class DistributedEngine(Engine):
             pass
 
 
-class _FailureWatcher:
-    """A daemon thread per engine (its ``_watch``) that, while a trace runs, reads the trace's
+class FailureWatcher:
+    """A daemon thread per engine (its ``failure_watcher``) that, while a trace runs, reads the trace's
     failure key every 0.1 s, so that a peer knows the message before the store's host is gone,
     and answers a waiting peer's question where this rank is (``answering``). Between traces it
     sleeps and touches nothing; it ends with the engine."""

@@ -1,4 +1,5 @@
-# Everything a fresh machine needs: `make demo`, `make test`, `make bench`, `make docs`.
+# Everything a fresh machine needs: `make demo`, `make test`, `make bench`, `make docs`,
+# `make lint`.
 # torch is installed first, pinned to the CPU wheel; every later install runs under
 # constraints.txt so that nothing can swap it for a multi-GB CUDA build.
 PYTHON ?= python3
@@ -7,7 +8,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip --disable-pip-version-check -q
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test docs bench clean
+.PHONY: demo test docs lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +25,12 @@ demo: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
-test: docs
+# ruff keeps the form (pyproject.toml's [tool.ruff]): formatted, and the lint rules pass
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+test: docs lint
 	$(PY) -m pytest -n auto -q
 
 bench: $(STAMP)

@@ -8,6 +8,7 @@ step of part B of ``overhead.py`` at k=1 and at k=6 layers; (count(6) - count(1)
 one more read+edit adds, split by function. C work (greenlet switches, tensor copies) is not
 counted, so this complements the timed benchmark and does not replace it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,9 +16,9 @@ import collections
 import sys
 
 import torch
+from overhead import fresh, make_net, raw_step, traced_step_k
 
 import distgrad
-from overhead import fresh, make_net, raw_step, traced_step_k
 
 
 def count(step) -> collections.Counter:
@@ -76,7 +77,9 @@ def main() -> int:
     print("\n| variant | bytecodes per further read+edit |\n|---|---:|")
     for name, n in totals.items():
         print(f"| {name} | {n:.0f} |")
-    print(f"\ndistgrad adds {totals['distgrad'] - totals['raw hooks']:.0f} bytecodes per read+edit.")
+    print(
+        f"\ndistgrad adds {totals['distgrad'] - totals['raw hooks']:.0f} bytecodes per read+edit."
+    )
     return 0
 
 

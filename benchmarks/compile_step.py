@@ -18,6 +18,7 @@ which wraps the named one and counts its compiles (one per dynamo graph) and the
 graphs it compiled; graph breaks are ``torch._dynamo.utils.counters["graph_break"]`` (dynamo
 counts one each time it splits a frame while compiling), read before and after each phase.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,6 +63,7 @@ class Counted:
         def run(*args):
             self.runs += 1
             return compiled(*args)
+
         return run
 
 
@@ -76,7 +78,7 @@ def bench(variants: dict, steps: int, rounds: int, warmup: int) -> dict:
     times = {name: [] for name in names}
     for r in range(rounds):
         gc.collect()
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             step, net, args = variants[name]
             times[name] += [timed(step, net, *args) for _ in range(per_round)]
     return {name: (statistics.median(t) / 1e3, min(t) / 1e3) for name, t in times.items()}
@@ -98,10 +100,12 @@ def build(size: str):
         torch.manual_seed(0)
         return build_gpt2(2), torch.randint(0, 384, (2, 8))
     from transformers import GPT2Config, GPT2LMHeadModel
+
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(0)
-    net = GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=768, n_head=12, vocab_size=8192,
-                                     n_positions=128)).eval()
+    net = GPT2LMHeadModel(
+        GPT2Config(n_layer=6, n_embd=768, n_head=12, vocab_size=8192, n_positions=128)
+    ).eval()
     return net, torch.randint(0, 8192, (2, 128))
 
 
@@ -146,7 +150,9 @@ def max_diff(got: dict, want: dict) -> tuple[float, float]:
 
 
 class Variant:
-    def __init__(self, name, step, net, args, oracle, compiled: Counted | None, eager_numbers: bool):
+    def __init__(
+        self, name, step, net, args, oracle, compiled: Counted | None, eager_numbers: bool
+    ):
         self.name, self.step, self.net, self.args = name, step, net, args
         self.oracle, self.counted, self.eager_numbers = oracle, compiled, eager_numbers
         self.first_compiles = self.first_breaks = self.timed_compiles = None
@@ -180,25 +186,27 @@ def first_steps(v: Variant, oracles: dict, n: int, atol: float, rtol: float) -> 
         v(*v.args)
     diff, rel = max_diff(grads(v.net), oracles[v.oracle])
     v.ok = diff <= atol if v.eager_numbers else rel <= rtol
-    v.first_compiles = (v.compiles if v.counted
-                        else counters["stats"]["unique_graphs"] - graphs0)
+    v.first_compiles = v.compiles if v.counted else counters["stats"]["unique_graphs"] - graphs0
     v.first_breaks = graph_breaks() - breaks0
     bound = f"atol {atol:g}" if v.eager_numbers else f"{rtol:g} of the largest gradient"
-    print(f"numerics {v.name}: {'OK' if v.ok else 'MISMATCH'} against the {v.oracle} eager "
-          f"oracle (max |diff| {diff:.2e}, relative {rel:.2e}; bound {bound}); first {n} steps: "
-          f"{v.first_compiles} graphs compiled, {v.first_breaks} graph breaks")
+    print(
+        f"numerics {v.name}: {'OK' if v.ok else 'MISMATCH'} against the {v.oracle} eager "
+        f"oracle (max |diff| {diff:.2e}, relative {rel:.2e}; bound {bound}); first {n} steps: "
+        f"{v.first_compiles} graphs compiled, {v.first_breaks} graph breaks"
+    )
     return v.ok
 
 
-def timed_variants(variants: list[Variant], steps: int, rounds: int, warmup: int) -> tuple[dict, int]:
+def timed_variants(
+    variants: list[Variant], steps: int, rounds: int, warmup: int
+) -> tuple[dict, int]:
     """Median and fastest ms per step of each variant (rounds interleaved), counting compiles and
     graph runs over the warm-up and timed steps; returns ({name: (median, fastest)}, graph
     breaks over the whole run)."""
     for v in variants:
         v.compiles = v.runs = v.steps = 0
     breaks0 = graph_breaks()
-    us = bench({v.name: (v, v.net, v.args) for v in variants}, steps, rounds=rounds,
-               warmup=warmup)
+    us = bench({v.name: (v, v.net, v.args) for v in variants}, steps, rounds=rounds, warmup=warmup)
     for v in variants:
         if v.counted:
             v.timed_compiles = v.compiles
@@ -209,24 +217,42 @@ def timed_variants(variants: list[Variant], steps: int, rounds: int, warmup: int
 def table(variants: list[Variant], ms: dict, compiled_name: str, eager_name: str) -> list[dict]:
     """The printed table; ratios by the median step, then by the fastest (on a shared machine
     the fastest step is the one least slowed by other jobs)."""
-    print("| variant | median / fastest ms per step | vs compiled | vs eager raw hooks | graphs "
-          "compiled (first steps / timed) | graph breaks (first steps) | compiled graphs run per "
-          "step |")
+    print(
+        "| variant | median / fastest ms per step | vs compiled | vs eager raw hooks | graphs "
+        "compiled (first steps / timed) | graph breaks (first steps) | compiled graphs run per "
+        "step |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     for v in variants:
-        (med, fast), (c_med, c_fast), (e_med, e_fast) = ms[v.name], ms[compiled_name], ms[eager_name]
+        (med, fast), (c_med, c_fast), (e_med, e_fast) = (
+            ms[v.name],
+            ms[compiled_name],
+            ms[eager_name],
+        )
         per_step = "-" if v.graphs_per_step is None else f"{v.graphs_per_step:g}"
         timed_c = "-" if v.timed_compiles is None else v.timed_compiles
-        print(f"| {v.name} | {med:.2f} / {fast:.2f} | {med / c_med:.2f}x / {fast / c_fast:.2f}x | "
-              f"{med / e_med:.2f}x / {fast / e_fast:.2f}x | {v.first_compiles} / {timed_c} | "
-              f"{v.first_breaks} | {per_step} |")
-        rows.append({"variant": v.name, "median_ms": med, "fastest_ms": fast,
-                     "vs_compiled": med / c_med, "vs_eager_raw_hooks": med / e_med,
-                     "fastest_vs_compiled": fast / c_fast, "fastest_vs_eager_raw_hooks": fast / e_fast,
-                     "compiles_first_steps": v.first_compiles, "compiles_timed": v.timed_compiles,
-                     "graph_breaks_first_steps": v.first_breaks,
-                     "compiled_graphs_per_step": v.graphs_per_step, "numerics_ok": v.ok})
+        print(
+            f"| {v.name} | {med:.2f} / {fast:.2f} | {med / c_med:.2f}x / {fast / c_fast:.2f}x | "
+            f"{med / e_med:.2f}x / {fast / e_fast:.2f}x | {v.first_compiles} / {timed_c} | "
+            f"{v.first_breaks} | {per_step} |"
+        )
+        rows.append(
+            {
+                "variant": v.name,
+                "median_ms": med,
+                "fastest_ms": fast,
+                "vs_compiled": med / c_med,
+                "vs_eager_raw_hooks": med / e_med,
+                "fastest_vs_compiled": fast / c_fast,
+                "fastest_vs_eager_raw_hooks": fast / e_fast,
+                "compiles_first_steps": v.first_compiles,
+                "compiles_timed": v.timed_compiles,
+                "graph_breaks_first_steps": v.first_breaks,
+                "compiled_graphs_per_step": v.graphs_per_step,
+                "numerics_ok": v.ok,
+            }
+        )
     return rows
 
 
@@ -243,10 +269,12 @@ def main() -> int:
     rounds, warmup = (20, 10) if toy else (5, 1)
     torch.set_num_threads(1)
     print(f"command: {' '.join([sys.executable] + sys.argv)}")
-    print(f"python {platform.python_version()}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, distgrad {distgrad.__version__}, nnsight "
-          f"{'(skipped)' if a.no_nnsight else md.version('nnsight')}, threads "
-          f"{torch.get_num_threads()}, backend {a.backend}, size {a.size}, eval mode")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, distgrad {distgrad.__version__}, nnsight "
+        f"{'(skipped)' if a.no_nnsight else md.version('nnsight')}, threads "
+        f"{torch.get_num_threads()}, backend {a.backend}, size {a.size}, eval mode"
+    )
 
     base, ids = build(a.size)
     copies = lambda: copy.deepcopy(base)
@@ -276,17 +304,46 @@ def main() -> int:
 
     variants = [
         Variant("eager, no hooks", plain_step, eager_net, (eager_net, ids), PLAIN, None, True),
-        Variant("eager, raw hooks", raw_step, eager_hooked, (eager_hooked, ids, 1), EDITED, None,
-                True),
+        Variant(
+            "eager, raw hooks", raw_step, eager_hooked, (eager_hooked, ids, 1), EDITED, None, True
+        ),
         Variant("compiled, no hooks", plain_step, c_net, (c_model, ids), PLAIN, c_counted, False),
-        Variant("compiled, raw hooks", hooked_step, h_net, (h_model, h_saved, ids), EDITED,
-                h_counted, False),
-        Variant("compiled, forced eager, raw hooks", forced_eager_raw_step, f_net, (f_model, ids),
-                EDITED, f_counted, True),
-        Variant("compiled, between distgrad traces", plain_step, d_net, (d_compiled, ids), PLAIN,
-                d_counted, False),
-        Variant("distgrad trace of the compiled model", traced_step, d_net, (d_model, ids), EDITED,
-                d_counted, True),
+        Variant(
+            "compiled, raw hooks",
+            hooked_step,
+            h_net,
+            (h_model, h_saved, ids),
+            EDITED,
+            h_counted,
+            False,
+        ),
+        Variant(
+            "compiled, forced eager, raw hooks",
+            forced_eager_raw_step,
+            f_net,
+            (f_model, ids),
+            EDITED,
+            f_counted,
+            True,
+        ),
+        Variant(
+            "compiled, between distgrad traces",
+            plain_step,
+            d_net,
+            (d_compiled, ids),
+            PLAIN,
+            d_counted,
+            False,
+        ),
+        Variant(
+            "distgrad trace of the compiled model",
+            traced_step,
+            d_net,
+            (d_model, ids),
+            EDITED,
+            d_counted,
+            True,
+        ),
     ]
     atol, rtol = 1e-5, 1e-4
     n_first = 2
@@ -298,8 +355,10 @@ def main() -> int:
     plain_step(d_compiled, ids)
     d_net.zero_grad(set_to_none=True)
     after_trace = (d_counted.compiles - compiles0, graph_breaks() - breaks0)
-    print(f"the compiled step right after distgrad's traces: {after_trace[0]} graphs compiled, "
-          f"{after_trace[1]} graph breaks")
+    print(
+        f"the compiled step right after distgrad's traces: {after_trace[0]} graphs compiled, "
+        f"{after_trace[1]} graph breaks"
+    )
 
     # Raw hooks put on a model after its first compile: dynamo keeps the graph it traced without
     # them unless it guards on module hooks.
@@ -308,18 +367,24 @@ def main() -> int:
     l_net.zero_grad(set_to_none=True)
     compiles0 = l_counted.compiles
     late_saved = raw_step(l_model, ids, 1)
-    late = {"hooks_ran": bool(late_saved),
-            "grads_equal_edited_oracle": max_diff(grads(l_net), oracles[EDITED])[1] <= rtol,
-            "graphs_compiled": l_counted.compiles - compiles0,
-            "skip_nnmodule_hook_guards": torch._dynamo.config.skip_nnmodule_hook_guards}
-    print(f"raw hooks added after the model's first compile: hooks ran {late['hooks_ran']}, "
-          f"parameter gradients equal the edited oracle {late['grads_equal_edited_oracle']}, "
-          f"{late['graphs_compiled']} graphs compiled (torch._dynamo.config."
-          f"skip_nnmodule_hook_guards = {late['skip_nnmodule_hook_guards']})")
+    late = {
+        "hooks_ran": bool(late_saved),
+        "grads_equal_edited_oracle": max_diff(grads(l_net), oracles[EDITED])[1] <= rtol,
+        "graphs_compiled": l_counted.compiles - compiles0,
+        "skip_nnmodule_hook_guards": torch._dynamo.config.skip_nnmodule_hook_guards,
+    }
+    print(
+        f"raw hooks added after the model's first compile: hooks ran {late['hooks_ran']}, "
+        f"parameter gradients equal the edited oracle {late['grads_equal_edited_oracle']}, "
+        f"{late['graphs_compiled']} graphs compiled (torch._dynamo.config."
+        f"skip_nnmodule_hook_guards = {late['skip_nnmodule_hook_guards']})"
+    )
 
     ms, timed_breaks = timed_variants(variants, steps, rounds, warmup)
-    print(f"\n## One step, {a.size} GPT-2, backend {a.backend}, {steps} steps "
-          f"(graph breaks over all timed steps: {timed_breaks})\n")
+    print(
+        f"\n## One step, {a.size} GPT-2, backend {a.backend}, {steps} steps "
+        f"(graph breaks over all timed steps: {timed_breaks})\n"
+    )
     rows = table(variants, ms, "compiled, no hooks", "eager, raw hooks")
     for v in variants:
         if v.counted and not v.eager_numbers and not v.graphs_per_step:
@@ -328,11 +393,13 @@ def main() -> int:
     # The goal that does not drift with the machine: tracing compiles nothing, breaks no graph
     # and runs no compiled graph, and the compiled model's steps around it compile nothing more.
     traced, between = variants[-1], variants[-2]
-    counts = {"traced steps: graphs compiled": traced.first_compiles + traced.timed_compiles,
-              "traced steps: graph breaks": traced.first_breaks,
-              "traced steps: compiled graphs run": traced.graphs_per_step,
-              "compiled step after a trace: graphs compiled": after_trace[0] + between.timed_compiles,
-              "graph breaks over the timed steps": timed_breaks}
+    counts = {
+        "traced steps: graphs compiled": traced.first_compiles + traced.timed_compiles,
+        "traced steps: graph breaks": traced.first_breaks,
+        "traced steps: compiled graphs run": traced.graphs_per_step,
+        "compiled step after a trace: graphs compiled": after_trace[0] + between.timed_compiles,
+        "graph breaks over the timed steps": timed_breaks,
+    }
     for what, n in counts.items():
         if n:
             print(f"FAIL: {what}: {n}, expected 0")
@@ -344,14 +411,28 @@ def main() -> int:
 
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"argv": sys.argv, "python": platform.python_version(),
-                       "torch": torch.__version__, "distgrad": distgrad.__version__,
-                       "backend": a.backend, "size": a.size, "steps": steps, "rows": rows,
-                       "timed_graph_breaks": timed_breaks,
-                       "step_after_trace": {"graphs_compiled": after_trace[0],
-                                            "graph_breaks": after_trace[1]},
-                       "hooks_added_after_compile": late, "nnsight": nn, "numerics_ok": ok},
-                      f, indent=2)
+            json.dump(
+                {
+                    "argv": sys.argv,
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                    "distgrad": distgrad.__version__,
+                    "backend": a.backend,
+                    "size": a.size,
+                    "steps": steps,
+                    "rows": rows,
+                    "timed_graph_breaks": timed_breaks,
+                    "step_after_trace": {
+                        "graphs_compiled": after_trace[0],
+                        "graph_breaks": after_trace[1],
+                    },
+                    "hooks_added_after_compile": late,
+                    "nnsight": nn,
+                    "numerics_ok": ok,
+                },
+                f,
+                indent=2,
+            )
     return 0 if ok else 1
 
 
@@ -364,6 +445,7 @@ def nnsight_phase(a, copies, ids, oracles, steps, rounds, warmup, atol, rtol) ->
         if patched in torch.Tensor.__dict__:
             delattr(torch.Tensor, patched)
     from nnsight import NNsight
+
     print("\n## nnsight 0.8.1 on the compiled model\n")
     eager_hooked = copies()
     c_net, c_counted = copies(), Counted(a.backend)
@@ -371,12 +453,33 @@ def nnsight_phase(a, copies, ids, oracles, steps, rounds, warmup, atol, rtol) ->
     n_net, n_counted = copies(), Counted(a.backend)
     n_model = NNsight(torch.compile(n_net, backend=n_counted))
     variants = [
-        Variant("eager, raw hooks (nnsight phase)", raw_step, eager_hooked,
-                (eager_hooked, ids, 1), EDITED, None, True),
-        Variant("compiled, no hooks (nnsight phase)", plain_step, c_net, (c_model, ids), PLAIN,
-                c_counted, False),
-        Variant("nnsight trace of the compiled model", traced_step, n_net, (n_model, ids), EDITED,
-                n_counted, False),
+        Variant(
+            "eager, raw hooks (nnsight phase)",
+            raw_step,
+            eager_hooked,
+            (eager_hooked, ids, 1),
+            EDITED,
+            None,
+            True,
+        ),
+        Variant(
+            "compiled, no hooks (nnsight phase)",
+            plain_step,
+            c_net,
+            (c_model, ids),
+            PLAIN,
+            c_counted,
+            False,
+        ),
+        Variant(
+            "nnsight trace of the compiled model",
+            traced_step,
+            n_net,
+            (n_model, ids),
+            EDITED,
+            n_counted,
+            False,
+        ),
     ]
     try:
         for v in variants:

@@ -8,6 +8,7 @@ distgrad's end-of-trace gather (``SavesGather``) against one raw all_gather of t
 Both ranks run the same interleaved sequence (the collectives must match); rank 0 prints medians
 and ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from ranks import print_ratios, time_in_turns
 from torch.nn.parallel import DistributedDataParallel
 
 import distgrad
 from distgrad.demo.models import build_gpt2
 from distgrad.engines.ranks import gather
-from ranks import print_ratios, time_in_turns
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -101,9 +102,14 @@ def main():
         by_count[s] = (statistics.median(one) / 1e3, statistics.median(ours) / 1e3)
 
     if rank == 0:
-        print(f"torch {torch.__version__}, {world} ranks, gloo, 1 thread each, median of {args.steps}")
+        print(
+            f"torch {torch.__version__}, {world} ranks, gloo, 1 thread each, median of {args.steps}"
+        )
         print_ratios(times, "raw hooks + all_gather")
-        print("\n| saved tensors S | one raw all_gather us | distgrad gather us | ratio |\n|---:|---:|---:|---:|")
+        print(
+            "\n| saved tensors S | one raw all_gather us | distgrad gather us | ratio |"
+            "\n|---:|---:|---:|---:|"
+        )
         for s, (one, ours) in by_count.items():
             print(f"| {s} | {one:.1f} | {ours:.1f} | {ours / one:.2f}x |")
     dist.destroy_process_group()

@@ -1,6 +1,8 @@
 """What the end-of-trace gather of gather="rank0" saves costs each rank in memory and in time.
 
-    for w in 2 4 8; do OMP_NUM_THREADS=1 torchrun --nproc_per_node $w benchmarks/gather_memory.py; done
+    for w in 2 4 8; do
+        OMP_NUM_THREADS=1 torchrun --nproc_per_node $w benchmarks/gather_memory.py
+    done
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 8 benchmarks/gather_memory.py --chunk-mib 1
 
 S saved tensors of ``--mib`` MiB each (float32, rows joined on dim 0) are gathered to rank 0 by
@@ -20,6 +22,7 @@ of all S tensors' bytes at once (the floor). Rank 0 prints one row per S for thi
 Run with another ``PYTHONPATH`` the same script measures another version of distgrad (its
 RSS only, where its gather has no ``allocated``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +55,12 @@ def main():
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--mib", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--chunk-mib", type=float, default=None,
-                        help="distgrad.config.gather_chunk_bytes, in MiB (default: none)")
+    parser.add_argument(
+        "--chunk-mib",
+        type=float,
+        default=None,
+        help="distgrad.config.gather_chunk_bytes, in MiB (default: none)",
+    )
     args = parser.parse_args()
     if args.chunk_mib:
         distgrad.config.gather_chunk_bytes = int(args.chunk_mib * MIB)
@@ -91,8 +98,9 @@ def main():
         originals = [t.clone() for t in tensors]
         saves = [(t, "rank0", 0) for t in tensors]
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        slots = [[torch.empty_like(t) for _ in range(world)] if rank == 0 else None
-                 for t in tensors]
+        slots = [
+            [torch.empty_like(t) for _ in range(world)] if rank == 0 else None for t in tensors
+        ]
         flat_slots = [torch.empty_like(flat) for _ in range(world)] if rank == 0 else None
 
         def ours():
@@ -118,32 +126,46 @@ def main():
                 fn()
                 if step >= 3:
                     times[name].append(time.perf_counter_ns() - t)
-        results[count] = (grown, allocated, {k: statistics.median(v) / 1e3 for k, v in times.items()})
+        results[count] = (
+            grown,
+            allocated,
+            {k: statistics.median(v) / 1e3 for k, v in times.items()},
+        )
 
     everyone = [None] * world
     dist.all_gather_object(everyone, results)
     if rank == 0:
-        print(f"torch {torch.__version__}, world {world}, gloo, {args.mib} MiB a save, "
-              f"chunks of {args.chunk_mib or '-'} MiB, median of {args.steps}")
-        print("\n| world | S | rank 0 allocated / RSS growth MiB | other ranks' largest allocated "
-              "/ RSS growth MiB | distgrad us | by hand us | raw gather us |")
+        print(
+            f"torch {torch.__version__}, world {world}, gloo, {args.mib} MiB a save, "
+            f"chunks of {args.chunk_mib or '-'} MiB, median of {args.steps}"
+        )
+        print(
+            "\n| world | S | rank 0 allocated / RSS growth MiB | other ranks' largest allocated "
+            "/ RSS growth MiB | distgrad us | by hand us | raw gather us |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for count in args.counts:
+
             def mib(x):
                 return "-" if x is None else f"{x / MIB:.1f}"
+
             zero = everyone[0][count]
             others = [everyone[r][count] for r in range(1, world)]
             alloc = None if others[0][1] is None else max(o[1] for o in others)
             t = zero[2]
-            print(f"| {world} | {count} | {mib(zero[1])} / {mib(zero[0])} | {mib(alloc)} / "
-                  f"{mib(max(o[0] for o in others))} | {t['distgrad']:.0f} | {t['by hand']:.0f} | "
-                  f"{t['raw']:.0f} |")
+            print(
+                f"| {world} | {count} | {mib(zero[1])} / {mib(zero[0])} | {mib(alloc)} / "
+                f"{mib(max(o[0] for o in others))} | {t['distgrad']:.0f} | {t['by hand']:.0f} | "
+                f"{t['raw']:.0f} |"
+            )
     dist.destroy_process_group()
 
 
 def _of_rank(rows: int, count: int, r: int, i: int) -> torch.Tensor:
     """Rank r's save i of ``count``: known to every rank, so rank 0 can check the joined one."""
-    return torch.randn(rows, 256, generator=torch.Generator().manual_seed(count * 10007 + r * 101 + i))
+    return torch.randn(
+        rows, 256, generator=torch.Generator().manual_seed(count * 10007 + r * 101 + i)
+    )
 
 
 if __name__ == "__main__":

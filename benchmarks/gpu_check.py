@@ -27,6 +27,7 @@ the CPU; MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK are set where
 Prints one line per check and the total time; exits non-zero if any check fails, and with the
 stacks of every thread if the run passes --budget seconds (a hang).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,11 +45,11 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from overhead import raw_step, traced_step
 
 import distgrad
 from distgrad.demo import ranks
 from distgrad.demo.models import build_gpt2
-from overhead import raw_step, traced_step
 
 ATOL = 1e-5
 SCALE = 1e-3  # gradients of order 1 (see the docstring)
@@ -70,6 +71,7 @@ def plain(ids, device):
         def on_grad(g):
             seen["g0"] = g.detach().clone()
             return g * 2
+
         out.register_hook(on_grad)
 
     net.transformer.h[0].register_forward_hook(on_output)
@@ -132,8 +134,10 @@ def one_rank_group(device: torch.device) -> None:
     if device.type == "cpu":
         os.environ["DISTGRAD_DEVICE"] = "cpu"  # ranks.device(): the CPU even where CUDA is
     if ranks.device() != device:
-        raise SystemExit(f"--device {device}, but this rank's device is {ranks.device()} "
-                         "(LOCAL_RANK picks the GPU)")
+        raise SystemExit(
+            f"--device {device}, but this rank's device is {ranks.device()} "
+            "(LOCAL_RANK picks the GPU)"
+        )
     ranks.start_process_group("ddp")
     if dist.get_world_size() != 1:
         raise SystemExit(f"one rank expected, WORLD_SIZE is {dist.get_world_size()}")
@@ -148,6 +152,7 @@ def build(engine: str, device: torch.device):
     one_rank_group(device)
     if engine.startswith("zero"):
         import deepspeed
+
         deepspeed.init_distributed(dist_backend=dist.get_backend())
     wrapped, options = ranks.wrap_with_engine(engine, net, lr=0.0)
     note = ""
@@ -185,13 +190,18 @@ def check_engines(device, ids, skip) -> bool:
             wrapped, model, note = build(engine, device)
             g, fired_on = readme_step(model, ids)
             g_diff = worst_diff(g, ref_g)
-            p_diff, worst_name = max((worst_diff(through_model(model, n).grad, want), n)
-                                     for n, want in ref_params.items())
+            p_diff, worst_name = max(
+                (worst_diff(through_model(model, n).grad, want), n)
+                for n, want in ref_params.items()
+            )
             ok = g_diff <= ATOL and p_diff <= ATOL
-            good &= check(f"{engine}: README program", ok,
-                          f"saved gradient max diff {g_diff:.2e}, {len(ref_params)} parameter "
-                          f"gradients max diff {p_diff:.2e}{f' ({worst_name})' if p_diff else ''}; hooks on "
-                          f"{sorted(fired_on)}; {time.perf_counter() - t0:.1f} s{note}")
+            good &= check(
+                f"{engine}: README program",
+                ok,
+                f"saved gradient max diff {g_diff:.2e}, {len(ref_params)} parameter "
+                f"gradients max diff {p_diff:.2e}{f' ({worst_name})' if p_diff else ''}; hooks on "
+                f"{sorted(fired_on)}; {time.perf_counter() - t0:.1f} s{note}",
+            )
         except Exception as exc:
             traceback.print_exc()
             good &= check(f"{engine}: README program", False, f"{type(exc).__name__}: {exc}")
@@ -219,8 +229,9 @@ def check_invokes(model, net, ids, ref_g, ref_params) -> bool:
     diff = worst_diff(torch.cat([ga, gb]), ref_g)
     good = check("local: invokes, each row's gradient", diff <= ATOL, f"max diff {diff:.2e}")
     worst = max(worst_diff(p.grad, ref_params[n]) for n, p in net.named_parameters())
-    return good & check("local: invokes, parameter gradients", worst <= ATOL,
-                        f"max diff {worst:.2e}")
+    return good & check(
+        "local: invokes, parameter gradients", worst <= ATOL, f"max diff {worst:.2e}"
+    )
 
 
 def timed_in_turns(variants: dict, steps: int, sync) -> dict:
@@ -250,8 +261,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="--steps 50 --traces 50")
     parser.add_argument("--skip", nargs="*", default=(), choices=ENGINES, help="engines to skip")
     parser.add_argument("--no-nnsight", action="store_true")
-    parser.add_argument("--budget", type=float, default=450.0,
-                        help="seconds: past this, print every thread's stack and exit 1")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=450.0,
+        help="seconds: past this, print every thread's stack and exit 1",
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.traces = 50, 50
@@ -266,11 +281,14 @@ def main() -> int:
     distgrad.config.backward_mode = args.backward_mode
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ids = torch.randint(0, 384, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
-    print(f"device {device}"
-          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
-          f"torch {torch.__version__}, distgrad {distgrad.__version__}, backward_mode "
-          f"{args.backward_mode}, body thread {threading.current_thread().name}; "
-          f"tolerance atol {ATOL:g} on a loss of logits.sum() * {SCALE:g}", flush=True)
+    print(
+        f"device {device}"
+        f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
+        f"torch {torch.__version__}, distgrad {distgrad.__version__}, backward_mode "
+        f"{args.backward_mode}, body thread {threading.current_thread().name}; "
+        f"tolerance atol {ATOL:g} on a loss of logits.sum() * {SCALE:g}",
+        flush=True,
+    )
 
     # 1. every engine that runs on one rank
     good = check_engines(device, ids, set(args.skip))
@@ -285,8 +303,11 @@ def main() -> int:
     before = threading.active_count()
     for _ in range(args.traces):
         traced_step(model, ids)
-    good &= check(f"local: no thread growth over {args.traces} traces",
-                  threading.active_count() == before, f"{before} -> {threading.active_count()}")
+    good &= check(
+        f"local: no thread growth over {args.traces} traces",
+        threading.active_count() == before,
+        f"{before} -> {threading.active_count()}",
+    )
 
     def raw(n=net):
         n.zero_grad(set_to_none=True)
@@ -297,9 +318,12 @@ def main() -> int:
         return traced_step(m, ids)
 
     us = timed_in_turns({"raw hooks": raw, "distgrad": traced}, args.steps, sync)
-    print(f"     step (median of {args.steps // 10 * 10}, in turns): raw hooks "
-          f"{us['raw hooks']:.0f} us, distgrad {us['distgrad']:.0f} us, ratio "
-          f"{us['distgrad'] / us['raw hooks']:.2f}x", flush=True)
+    print(
+        f"     step (median of {args.steps // 10 * 10}, in turns): raw hooks "
+        f"{us['raw hooks']:.0f} us, distgrad {us['distgrad']:.0f} us, ratio "
+        f"{us['distgrad'] / us['raw hooks']:.2f}x",
+        flush=True,
+    )
 
     if args.no_nnsight:
         print("skip nnsight: --no-nnsight")
@@ -307,8 +331,10 @@ def main() -> int:
         good &= time_nnsight(net, ids, args.steps, sync, us["distgrad"])
     dist.destroy_process_group() if dist.is_initialized() else None
     faulthandler.cancel_dump_traceback_later()
-    print(f"{'all checks passed' if good else 'SOME CHECKS FAILED'}; total "
-          f"{time.perf_counter() - started:.1f} s")
+    print(
+        f"{'all checks passed' if good else 'SOME CHECKS FAILED'}; total "
+        f"{time.perf_counter() - started:.1f} s"
+    )
     return 0 if good else 1
 
 
@@ -322,7 +348,9 @@ def time_nnsight(net, ids, steps, sync, distgrad_us) -> bool:
             delattr(torch.Tensor, patched)
     try:
         import importlib.metadata as md
+
         from nnsight import NNsight
+
         version = md.version("nnsight")
     except Exception as exc:
         print(f"skip nnsight: {type(exc).__name__}: {exc}")
@@ -342,18 +370,24 @@ def time_nnsight(net, ids, steps, sync, distgrad_us) -> bool:
     want = raw(ref_net)
     got = traced()
     diffs = [worst_diff(a, b) for a, b in zip(got, want)] + [
-        worst_diff(q.grad, p.grad) for p, q in zip(ref_net.parameters(), nn_net.parameters())]
+        worst_diff(q.grad, p.grad) for p, q in zip(ref_net.parameters(), nn_net.parameters())
+    ]
     largest = max(p.grad.abs().max().item() for p in ref_net.parameters())
     # this step's loss is logits.sum(), unscaled: the tolerance is relative to its gradients
-    ok = check(f"nnsight {version}: README program equals raw hooks",
-               len(got) == len(want) and max(diffs) <= ATOL * largest,
-               f"max diff {max(diffs):.2e}, tolerance atol {ATOL:g} x the largest gradient "
-               f"({largest:.0f})")
+    ok = check(
+        f"nnsight {version}: README program equals raw hooks",
+        len(got) == len(want) and max(diffs) <= ATOL * largest,
+        f"max diff {max(diffs):.2e}, tolerance atol {ATOL:g} x the largest gradient "
+        f"({largest:.0f})",
+    )
     us = timed_in_turns({"raw hooks": raw, "nnsight": traced}, steps, sync)
-    print(f"     step (median of {steps // 10 * 10}, in turns): raw hooks {us['raw hooks']:.0f} "
-          f"us, nnsight {us['nnsight']:.0f} us, ratio {us['nnsight'] / us['raw hooks']:.2f}x; "
-          f"nnsight / distgrad {us['nnsight'] / distgrad_us:.2f}x (raw hooks re-timed: the "
-          f"ratios are against the baseline of the same phase)", flush=True)
+    print(
+        f"     step (median of {steps // 10 * 10}, in turns): raw hooks {us['raw hooks']:.0f} "
+        f"us, nnsight {us['nnsight']:.0f} us, ratio {us['nnsight'] / us['raw hooks']:.2f}x; "
+        f"nnsight / distgrad {us['nnsight'] / distgrad_us:.2f}x (raw hooks re-timed: the "
+        f"ratios are against the baseline of the same phase)",
+        flush=True,
+    )
     return ok
 
 

@@ -20,6 +20,7 @@ README program per layer (forward read, then in the backward block ``a.grad.save
 backward takes (``distgrad.config.backward_mode``). The floors below are the least a design
 with the body as a coroutine of the run can cost.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,10 @@ from collections import OrderedDict
 
 import greenlet
 import torch
+from overhead import bench
 from torch.utils.hooks import RemovableHandle
 
 import distgrad
-from overhead import bench
 
 
 def make_mlp(layers: int) -> torch.nn.Sequential:
@@ -138,8 +139,10 @@ def floor_edit(net, x, k):
     fwd = run(lambda: out.append(net(x)))
     added, acts, gs = [], [], []
     for i in range(k):
+
         def hook(module, args, output):
             return fwd.parent.switch(output) if fwd.want is hook else None
+
         hooks = net[i]._forward_hooks
         added.append((hooks, _add_hook(hooks, hook)))
         fwd.want = hook
@@ -152,8 +155,10 @@ def floor_edit(net, x, k):
     bwd = run(lambda: torch.autograd.backward(loss))
     reply = None
     for a in reversed(acts):
+
         def on_grad(grad):
             return bwd.parent.switch(grad) if bwd.want is on_grad else None
+
         _add_hook(_tensor_hooks(a), on_grad)
         bwd.want = on_grad
         g = resume(bwd, reply).clone()
@@ -194,8 +199,10 @@ ESTIMATORS = {"median": statistics.median, "min": min}
 def per_layer(times: dict, layers: int) -> dict:
     """{estimator: {variant: us per layer}} from the step times of k = layers and k = 0. The
     minimum is the steadier estimate here: noise on this machine only ever adds time."""
-    return {est: {name: (f(times[name, layers]) - f(times[name, 0])) / layers for name, _ in times}
-            for est, f in ESTIMATORS.items()}
+    return {
+        est: {name: (f(times[name, layers]) - f(times[name, 0])) / layers for name, _ in times}
+        for est, f in ESTIMATORS.items()
+    }
 
 
 def main() -> int:
@@ -204,8 +211,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200, help="timed steps per variant and k")
     p.add_argument("--repeats", type=int, default=3, help="whole measurements; the median is kept")
     p.add_argument("--no-nnsight", action="store_true")
-    p.add_argument("--backward-mode", default="auto", choices=("auto", "greenlet", "thread"),
-                   help="distgrad.config.backward_mode (thread: what a CUDA backward uses)")
+    p.add_argument(
+        "--backward-mode",
+        default="auto",
+        choices=("auto", "greenlet", "thread"),
+        help="distgrad.config.backward_mode (thread: what a CUDA backward uses)",
+    )
     a = p.parse_args()
     distgrad.config.backward_mode = a.backward_mode
     torch.set_num_threads(1)
@@ -217,23 +228,32 @@ def main() -> int:
     ref = raw_edit(net, x, n)
     ref_grads = [q.grad.clone() for q in net.parameters()]
     net.zero_grad(set_to_none=True)
-    ok = all(torch.allclose(r, g, atol=1e-6) for r, g in zip(ref, traced_edit(libs["distgrad"], x, n)))
-    ok = ok and all(torch.allclose(r, q.grad, atol=1e-6) for r, q in zip(ref_grads, net.parameters()))
-    print(f"numerics distgrad vs raw hooks ({n} layers, saved and parameter gradients): "
-          f"{'OK' if ok else 'MISMATCH'}")
+    ok = all(
+        torch.allclose(r, g, atol=1e-6) for r, g in zip(ref, traced_edit(libs["distgrad"], x, n))
+    )
+    ok = ok and all(
+        torch.allclose(r, q.grad, atol=1e-6) for r, q in zip(ref_grads, net.parameters())
+    )
+    print(
+        f"numerics distgrad vs raw hooks ({n} layers, saved and parameter gradients): "
+        f"{'OK' if ok else 'MISMATCH'}"
+    )
 
     net.zero_grad(set_to_none=True)
     floor_ok = all(torch.allclose(r, g, atol=1e-6) for r, g in zip(ref, floor_edit(net, x, n)))
     net.zero_grad(set_to_none=True)
-    floor_ok = floor_ok and all(torch.allclose(r, g, atol=1e-6)
-                                for r, g in zip(ref, nocoroutine_edit(net, x, n)))
-    print(f"numerics floor and no-coroutine vs raw hooks: "
-          f"{'OK' if floor_ok else 'MISMATCH'}")
+    floor_ok = floor_ok and all(
+        torch.allclose(r, g, atol=1e-6) for r, g in zip(ref, nocoroutine_edit(net, x, n))
+    )
+    print(f"numerics floor and no-coroutine vs raw hooks: {'OK' if floor_ok else 'MISMATCH'}")
 
     results = {"distgrad": [], "floor": [], "no coroutine": []}
     for _ in range(a.repeats):
         variants = {}
-        for prog, raw, traced in (("read", raw_read, traced_read), ("read+edit", raw_edit, traced_edit)):
+        for prog, raw, traced in (
+            ("read", raw_read, traced_read),
+            ("read+edit", raw_edit, traced_edit),
+        ):
             for k in (0, n):
                 variants[(f"raw {prog}", k)] = (raw, net, (net, x, k))
                 variants[(f"distgrad {prog}", k)] = (traced, net, (libs["distgrad"], x, k))
@@ -250,38 +270,54 @@ def main() -> int:
         for patched in ("save", "grad"):
             if patched in torch.Tensor.__dict__:
                 delattr(torch.Tensor, patched)
-        from nnsight import NNsight
         import copy
+
+        from nnsight import NNsight
+
         nn_net = copy.deepcopy(net)
         nns = NNsight(nn_net)
         results["nnsight"] = []
         for _ in range(a.repeats):
             variants = {}
-            for prog, raw, traced in (("read", raw_read, traced_read),
-                                      ("read+edit", raw_edit, traced_edit)):
+            for prog, raw, traced in (
+                ("read", raw_read, traced_read),
+                ("read+edit", raw_edit, traced_edit),
+            ):
                 for k in (0, n):
                     variants[(f"raw {prog}", k)] = (raw, net, (net, x, k))
                     variants[(f"nnsight {prog}", k)] = (traced, nn_net, (nns, x, k))
-            results["nnsight"].append(per_layer(bench(variants, a.steps, rounds=10, warmup=10,
-                                                      stat=None), n))
+            results["nnsight"].append(
+                per_layer(bench(variants, a.steps, rounds=10, warmup=10, stat=None), n)
+            )
 
-    print(f"\n## Per read on a {n}-layer Linear(16, 16) stack, batch 2 (median of {a.repeats} "
-          f"measurements of {a.steps} steps each; per-layer costs from the median and from the "
-          f"fastest step of each variant)\n")
-    print("| library | program | raw hooks us (median) | library us (median) | overhead us (median) "
-          "| overhead us (min) |\n|---|---|---:|---:|---:|---:|")
+    print(
+        f"\n## Per read on a {n}-layer Linear(16, 16) stack, batch 2 (median of {a.repeats} "
+        f"measurements of {a.steps} steps each; per-layer costs from the median and from the "
+        f"fastest step of each variant)\n"
+    )
+    print(
+        "| library | program | raw hooks us (median) | library us (median) | overhead us (median) "
+        "| overhead us (min) |\n|---|---|---:|---:|---:|---:|"
+    )
     for lib, runs in results.items():
-        for prog in (("read+edit",) if lib in ("floor", "no coroutine")
-                     else ("read", "read+edit")):
+        for prog in ("read+edit",) if lib in ("floor", "no coroutine") else ("read", "read+edit"):
             raw = statistics.median(r["median"][f"raw {prog}"] for r in runs)
             own = statistics.median(r["median"][f"{lib} {prog}"] for r in runs)
-            over = {est: statistics.median(r[est][f"{lib} {prog}"] - r[est][f"raw {prog}"]
-                                           for r in runs) for est in ESTIMATORS}
-            print(f"| {lib} | {prog} | {raw:.1f} | {own:.1f} | {over['median']:.1f} "
-                  f"| {over['min']:.1f} |")
-    print(f"\n(distgrad: backward_mode {a.backward_mode}. floor: floor_edit, the leanest "
-          "greenlet coroutine read+edit; no coroutine: its bookkeeping without the coroutine; "
-          "both timed with distgrad imported.)")
+            over = {
+                est: statistics.median(
+                    r[est][f"{lib} {prog}"] - r[est][f"raw {prog}"] for r in runs
+                )
+                for est in ESTIMATORS
+            }
+            print(
+                f"| {lib} | {prog} | {raw:.1f} | {own:.1f} | {over['median']:.1f} "
+                f"| {over['min']:.1f} |"
+            )
+    print(
+        f"\n(distgrad: backward_mode {a.backward_mode}. floor: floor_edit, the leanest "
+        "greenlet coroutine read+edit; no coroutine: its bookkeeping without the coroutine; "
+        "both timed with distgrad imported.)"
+    )
     return 0 if ok and floor_ok else 1
 
 

@@ -6,6 +6,7 @@
 One process. Part A: one read+edit of model.transformer.h[0].output.grad (n_layer=2).
 Part B: the same for k = 1..6 layers of a 6-layer model; the slope is the cost of each extra one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,9 @@ def timed(step, net, *args) -> int:
     return time.perf_counter_ns() - t0
 
 
-def bench(variants: dict, steps: int, rounds: int = 30, warmup: int = 20,
-          stat=statistics.median) -> dict:
+def bench(
+    variants: dict, steps: int, rounds: int = 30, warmup: int = 20, stat=statistics.median
+) -> dict:
     """variants: name -> (step, net, args) -> ``stat`` of the step times in us (``stat=None``:
     the list of times). The variants take turns in short blocks (rounds x steps/rounds) so that
     machine drift and noise hit all of them alike."""
@@ -114,11 +116,20 @@ def slope(ks, us) -> tuple[float, float]:
 def compare(name, base, raw_nets, nets, models, ids, ks, steps) -> tuple[dict, dict]:
     """Part A and part B for one library, interleaved with raw hooks: ({variant: us},
     {variant: [us at k for k in ks]})."""
-    one = bench({base: (raw_step, raw_nets[0], (raw_nets[0], ids, 1)),
-                 name: (traced_step, nets[0], (models[0], ids))}, steps)
+    one = bench(
+        {
+            base: (raw_step, raw_nets[0], (raw_nets[0], ids, 1)),
+            name: (traced_step, nets[0], (models[0], ids)),
+        },
+        steps,
+    )
     # All k in one interleaved run, so that drift cannot masquerade as a slope.
-    r = bench({(base, k): (raw_step, raw_nets[1], (raw_nets[1], ids, k)) for k in ks} |
-              {(name, k): (traced_step_k, nets[1], (models[1], ids, k)) for k in ks}, steps, warmup=10)
+    r = bench(
+        {(base, k): (raw_step, raw_nets[1], (raw_nets[1], ids, k)) for k in ks}
+        | {(name, k): (traced_step_k, nets[1], (models[1], ids, k)) for k in ks},
+        steps,
+        warmup=10,
+    )
     return one, {n: [r[n, k] for k in ks] for n in (base, name)}
 
 
@@ -132,7 +143,8 @@ def check(name, net_a, net_b, gs_b) -> bool:
     ok = len(gs_a) == len(gs_b) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(gs_a, gs_b))
     for (pn, pa), (_, pb) in zip(net_a.named_parameters(), net_b.named_parameters()):
         if (pa.grad is None) != (pb.grad is None) or (
-                pa.grad is not None and not torch.allclose(pa.grad, pb.grad, atol=1e-6)):
+            pa.grad is not None and not torch.allclose(pa.grad, pb.grad, atol=1e-6)
+        ):
             print(f"  mismatch in parameter grad {pn}")
             ok = False
     print(f"numerics {name} vs raw hooks: {'OK' if ok else 'MISMATCH'}")
@@ -141,11 +153,17 @@ def check(name, net_a, net_b, gs_b) -> bool:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300, help="timed steps per variant (>= 300 advised)")
+    p.add_argument(
+        "--steps", type=int, default=300, help="timed steps per variant (>= 300 advised)"
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--no-nnsight", action="store_true")
-    p.add_argument("--backward-mode", default="auto", choices=("auto", "greenlet", "thread"),
-                   help="distgrad.config.backward_mode (thread: what a CUDA backward uses)")
+    p.add_argument(
+        "--backward-mode",
+        default="auto",
+        choices=("auto", "greenlet", "thread"),
+        help="distgrad.config.backward_mode (thread: what a CUDA backward uses)",
+    )
     a = p.parse_args()
     distgrad.config.backward_mode = a.backward_mode
     torch.set_num_threads(1)
@@ -153,10 +171,13 @@ def main() -> int:
     ids = torch.randint(0, 384, (2, 8))
     ks = list(range(1, 7))
     print(f"command: {' '.join([sys.executable] + sys.argv)}")
-    print(f"python {platform.python_version()}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, distgrad {distgrad.__version__}, nnsight "
-          f"{md.version('nnsight') if not a.no_nnsight else '(skipped)'}, threads {torch.get_num_threads()}, "
-          f"backward_mode {a.backward_mode}")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, distgrad {distgrad.__version__}, nnsight "
+        f"{md.version('nnsight') if not a.no_nnsight else '(skipped)'}, "
+        f"threads {torch.get_num_threads()}, "
+        f"backward_mode {a.backward_mode}"
+    )
 
     net2, net6 = make_net(2), make_net(6)
     dg2, dg6 = distgrad.wrap(net2, tokenizer=None), distgrad.wrap(net6, tokenizer=None)
@@ -170,11 +191,16 @@ def main() -> int:
         ref_net.saved = raw_step(ref_net, ids, k)
     # k=1 checks the exact part-A program, k=6 the multi-layer one (and the request order).
     run = lambda m, k: traced_step(m, ids) if k == 1 else traced_step_k(m, ids, k)
-    ok = all([check(f"distgrad k={k}", refs[k], n, fresh(n) or run(m, k))
-              for n, m, k in ((net2, dg2, 1), (net6, dg6, 6))])
+    ok = all(
+        [
+            check(f"distgrad k={k}", refs[k], n, fresh(n) or run(m, k))
+            for n, m, k in ((net2, dg2, 1), (net6, dg6, 6))
+        ]
+    )
 
-    one, multi = compare("distgrad", "raw hooks", (net2, net6), (net2, net6), (dg2, dg6), ids, ks,
-                         a.steps)
+    one, multi = compare(
+        "distgrad", "raw hooks", (net2, net6), (net2, net6), (dg2, dg6), ids, ks, a.steps
+    )
     nn_ok = None
     if not a.no_nnsight:
         # nnsight last: importing it replaces torch.Tensor.backward and mounts .save() on every
@@ -187,46 +213,82 @@ def main() -> int:
             if patched in torch.Tensor.__dict__:
                 delattr(torch.Tensor, patched)
         from nnsight import NNsight
+
         # Own copies: NNsight(net) instruments every submodule for good, which would slow the
         # raw-hook steps that are re-timed alongside it (a fresh baseline for this phase).
         nn2, nn6 = copy.deepcopy(net2), copy.deepcopy(net6)
         ns2, ns6 = NNsight(nn2), NNsight(nn6)
-        nn_ok = all([check(f"nnsight k={k}", refs[k], n, fresh(n) or run(m, k))
-                     for n, m, k in ((nn2, ns2, 1), (nn6, ns6, 6))])  # informational
-        r1, rk = compare("nnsight", "raw hooks (nnsight phase)", (net2, net6), (nn2, nn6),
-                         (ns2, ns6), ids, ks, a.steps)
+        nn_ok = all(
+            [
+                check(f"nnsight k={k}", refs[k], n, fresh(n) or run(m, k))
+                for n, m, k in ((nn2, ns2, 1), (nn6, ns6, 6))
+            ]
+        )  # informational
+        r1, rk = compare(
+            "nnsight",
+            "raw hooks (nnsight phase)",
+            (net2, net6),
+            (nn2, nn6),
+            (ns2, ns6),
+            ids,
+            ks,
+            a.steps,
+        )
         one, multi = one | r1, multi | rk
 
     # Ratios against the raw-hook baseline timed in the same phase.
-    base = lambda name: "raw hooks (nnsight phase)" if name.startswith(("nnsight", "raw hooks (")) \
-        else "raw hooks"
-    print(f"\n## One read+edit of h[0].output.grad (n_layer=2, batch 2x8, median of {a.steps} steps)\n")
+    base = lambda name: (
+        "raw hooks (nnsight phase)" if name.startswith(("nnsight", "raw hooks (")) else "raw hooks"
+    )
+    print(
+        "\n## One read+edit of h[0].output.grad "
+        f"(n_layer=2, batch 2x8, median of {a.steps} steps)\n"
+    )
     print("| variant | median us/step | ratio vs raw hooks |\n|---|---:|---:|")
     for name, us in one.items():
         print(f"| {name} | {us:.1f} | {us / one[base(name)]:.2f}x |")
 
     slopes = {name: slope(ks, us) for name, us in multi.items()}
     print("\n## Each further read+edit (n_layer=6, k = 1..6 layers, least-squares slope)\n")
-    print("| variant | " + " | ".join(f"k={k} us" for k in ks) + " | slope us/read+edit (± s.e.) "
-          "| slope ratio |")
+    print(
+        "| variant | " + " | ".join(f"k={k} us" for k in ks) + " | slope us/read+edit (± s.e.) "
+        "| slope ratio |"
+    )
     print("|---|" + "---:|" * (len(ks) + 2))
     for name, us in multi.items():
-        print(f"| {name} | " + " | ".join(f"{u:.1f}" for u in us) +
-              f" | {slopes[name][0]:.1f} ± {slopes[name][1]:.1f} | "
-              f"{slopes[name][0] / slopes[base(name)][0]:.2f}x |")
+        print(
+            f"| {name} | "
+            + " | ".join(f"{u:.1f}" for u in us)
+            + f" | {slopes[name][0]:.1f} ± {slopes[name][1]:.1f} | "
+            f"{slopes[name][0] / slopes[base(name)][0]:.2f}x |"
+        )
     if not a.no_nnsight:
-        print("\n(raw hooks (nnsight phase): the baseline re-timed alongside nnsight, which runs after "
-              "distgrad in the same process; nnsight's ratios are against it.)")
+        print(
+            "\n(raw hooks (nnsight phase): the baseline re-timed alongside nnsight, which runs "
+            "after distgrad in the same process; nnsight's ratios are against it.)"
+        )
 
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"argv": sys.argv, "python": platform.python_version(),
-                       "torch": torch.__version__, "distgrad": distgrad.__version__,
-                       "nnsight": None if a.no_nnsight else md.version("nnsight"), "steps": a.steps,
-                       "median_us": one, "k": ks, "median_us_by_k": multi,
-                       "slope_us": {n: v[0] for n, v in slopes.items()},
-                       "slope_se_us": {n: v[1] for n, v in slopes.items()}, "numerics_ok": ok,
-                       "nnsight_numerics_ok": nn_ok}, f, indent=2)
+            json.dump(
+                {
+                    "argv": sys.argv,
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                    "distgrad": distgrad.__version__,
+                    "nnsight": None if a.no_nnsight else md.version("nnsight"),
+                    "steps": a.steps,
+                    "median_us": one,
+                    "k": ks,
+                    "median_us_by_k": multi,
+                    "slope_us": {n: v[0] for n, v in slopes.items()},
+                    "slope_se_us": {n: v[1] for n, v in slopes.items()},
+                    "numerics_ok": ok,
+                    "nnsight_numerics_ok": nn_ok,
+                },
+                f,
+                indent=2,
+            )
     return 0 if ok else 1
 
 

@@ -15,23 +15,25 @@ check needs, the floor of what its semantics cost. Rank 0 prints medians and the
 ``--schedule interleaved``: ScheduleInterleaved1F1B over one block per stage, two stages per rank
 (layers[1] is then rank 1's).
 """
+
 from __future__ import annotations
 
 import argparse
 
 import torch
 import torch.distributed as dist
+from pp_steps import pipeline_steps
+from ranks import print_ratios, time_in_turns
 from torch import nn
 
 import distgrad
 from distgrad.demo.models import Blocks, Net, interleaved_stages, layers_of
-from pp_steps import pipeline_steps
-from ranks import print_ratios, time_in_turns
 
 
 def setup(argv=None) -> tuple:
     """``(args, net, {name: step function})`` on this rank, the process group started."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--width", type=int, default=256)
@@ -48,8 +50,11 @@ def setup(argv=None) -> tuple:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=nn.MSELoss())
     else:
         per = len(net.layers) // world
-        stages = [PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
-                                torch.device("cpu"))]
+        stages = [
+            PipelineStage(
+                Blocks(net.layers[rank * per : (rank + 1) * per]), rank, world, torch.device("cpu")
+            )
+        ]
         schedule = Schedule1F1B(stages[0], n_microbatches=4, loss_fn=nn.MSELoss())
     model = distgrad.wrap(schedule, full_model=net)
     g = torch.Generator().manual_seed(0)
@@ -61,8 +66,12 @@ def setup(argv=None) -> tuple:
 
     owns = 1 in layers_of(net, rank, world, interleaved)
     owner = next(r for r in range(world) if 1 in layers_of(net, r, world, interleaved))
-    send_to = {"group": dist.new_group(backend="gloo"), "owner": owner, "n": 4,
-               "peers": [r for r in range(world) if r != owner]}
+    send_to = {
+        "group": dist.new_group(backend="gloo"),
+        "owner": owner,
+        "n": 4,
+        "peers": [r for r in range(world) if r != owner],
+    }
     fns = pipeline_steps(model, net, x, y, step, owns_layer1=owns, send_to=send_to)
     for fn in fns.values():
         fn()
@@ -75,9 +84,11 @@ def main():
     args, net, fns = setup()
     times = time_in_turns(fns, args.steps, after=lambda: net.zero_grad(set_to_none=True))
     if dist.get_rank() == 0:
-        print(f"torch {torch.__version__}, {args.schedule} over {args.stages} stages on "
-              f"{dist.get_world_size()} ranks, 4 microbatches, width "
-              f"{args.width}, gloo, median of {args.steps}")
+        print(
+            f"torch {torch.__version__}, {args.schedule} over {args.stages} stages on "
+            f"{dist.get_world_size()} ranks, 4 microbatches, width "
+            f"{args.width}, gloo, median of {args.steps}"
+        )
         print_ratios(times, "raw hooks")
     dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """The three steps the pipeline benchmarks time (``pp_overhead.py`` on two ranks,
 ``pp_one_process.py`` on one): the same read and edit with raw hooks and with distgrad, and a
 distgrad body that reads nothing."""
+
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ def pipeline_steps(model, net, x, y, step, owns_layer1: bool, send_to: dict | No
     """``{name: step function}``. ``step()`` runs the schedule's step as raw hooks need it;
     ``owns_layer1``: whether this rank runs ``net.layers[1]`` (raw hooks act only there). The
     step: save layers[1]'s output and its gradient, and double that gradient."""
+
     def raw():
         kept = []
 
@@ -44,7 +46,8 @@ def pipeline_steps(model, net, x, y, step, owns_layer1: bool, send_to: dict | No
     if send_to is not None:
         steps["raw hooks, values sent by hand"] = _raw_sent(net, step, owns_layer1, send_to, x)
         steps["... and every rank tells the owner it has them"] = _raw_sent(
-            net, step, owns_layer1, send_to, x, handshake=True)
+            net, step, owns_layer1, send_to, x, handshake=True
+        )
     steps.update({"distgrad": traced, "distgrad, a body that reads nothing": traced_empty})
     return steps
 
@@ -63,6 +66,7 @@ def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x, handshake: bool = 
     every rank in the same step."""
     import torch
     import torch.distributed as dist
+
     group, peers, owner, n = send_to["group"], send_to["peers"], send_to["owner"], send_to["n"]
     rows = x.shape[0] // n
     buffers = [torch.empty(rows, x.shape[1]) for _ in range(2 * n)]
@@ -71,6 +75,7 @@ def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x, handshake: bool = 
     def raw_sent():
         kept, works = [], []
         if owns_layer1:
+
             def on_grad(grad):
                 kept.append(grad.clone())
                 works.extend(dist.isend(grad, p, group=group, tag=len(kept)) for p in peers)
@@ -84,8 +89,9 @@ def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x, handshake: bool = 
 
             handle = net.layers[1].register_forward_hook(on_output)
         else:
-            works = [dist.irecv(buf, owner, group=group, tag=i + 1)
-                     for i, buf in enumerate(buffers)]
+            works = [
+                dist.irecv(buf, owner, group=group, tag=i + 1) for i, buf in enumerate(buffers)
+            ]
         if handshake and owns_layer1:  # posted before the step, as distgrad's check is
             told = [dist.irecv(flags[p], p, group=group, tag=0) for p in peers]
         step()
@@ -100,6 +106,7 @@ def _raw_sent(net, step, owns_layer1: bool, send_to: dict, x, handshake: bool = 
             else:
                 dist.send(flags[owner], owner, group=group, tag=0)
         return kept if owns_layer1 else [b.clone() for b in buffers]
+
     return raw_sent
 
 
@@ -114,6 +121,7 @@ def one_process_steps(width: int, port: str) -> tuple:
 
     import distgrad
     from distgrad.demo.models import Blocks, Net
+
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", port)
@@ -125,5 +133,6 @@ def one_process_steps(width: int, port: str) -> tuple:
     model = distgrad.wrap(schedule, full_model=net)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, width, generator=g), torch.randn(32, width, generator=g)
-    return net, pipeline_steps(model, net, x, y, lambda: schedule.step(x, target=y),
-                               owns_layer1=True)
+    return net, pipeline_steps(
+        model, net, x, y, lambda: schedule.step(x, target=y), owns_layer1=True
+    )

@@ -1,5 +1,6 @@
 """Timing shared by the multi-rank benchmarks: variants take turns in rounds of 10 steps, every
 step starts on a barrier (the ranks' collectives must line up), rank 0 prints a table."""
+
 from __future__ import annotations
 
 import statistics

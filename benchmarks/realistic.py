@@ -12,6 +12,7 @@ data-parallel support). Before timing, every variant's saved values and paramete
 are checked against raw hooks (atol 1e-5). Prints the median ms per step and the ratio to raw
 hooks (rank 0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,13 +42,16 @@ def raw_step(net, wrapped, ids, gather):
     outputs, grads = [None] * LAYERS, [None] * LAYERS
     handles = []
     for i, block in enumerate(net.transformer.h):
+
         def on_output(module, args, out, i=i):
             outputs[i] = out.detach()
 
             def on_grad(g):
                 grads[i] = g
                 return g * 2 if i == EDITED else None
+
             out.register_hook(on_grad)
+
         handles.append(block.register_forward_hook(on_output))
     try:
         (wrapped(ids).logits.sum() * 1e-3).backward()
@@ -108,10 +112,13 @@ def main():
         return torch.cat(parts) if rank == 0 else t
 
     model = distgrad.wrap(wrapped)
-    variants = {"raw hooks": lambda: raw_step(net, wrapped, ids, gather),
-                "distgrad": lambda: distgrad_step(model, ids)}
+    variants = {
+        "raw hooks": lambda: raw_step(net, wrapped, ids, gather),
+        "distgrad": lambda: distgrad_step(model, ids),
+    }
     if not ranks and not args.no_nnsight:
         from nnsight import NNsight
+
         lm = NNsight(net)
         variants["nnsight"] = lambda: nnsight_step(lm, ids)
 
@@ -121,8 +128,10 @@ def main():
         net.zero_grad(set_to_none=True)
         out, grads = fn()
         diff = max((a - b).abs().max().item() for a, b in zip(out + grads, base_out + base_grads))
-        diff = max([diff] + [(p.grad - q).abs().max().item()
-                             for p, q in zip(net.parameters(), base_params)])
+        diff = max(
+            [diff]
+            + [(p.grad - q).abs().max().item() for p, q in zip(net.parameters(), base_params)]
+        )
         assert diff <= 1e-5, f"{name}: differs from raw hooks by {diff:.3g}"
     times = {name: [] for name in variants}
     for _ in range(args.steps):
@@ -135,8 +144,10 @@ def main():
             times[name].append(time.perf_counter() - start)
     if rank == 0:
         base = statistics.median(times["raw hooks"])
-        print(f"{LAYERS}-layer GPT-2, d_model 256, 4 x 128 tokens per rank, {world} rank(s), "
-              f"{args.steps} steps each, torch {torch.__version__}")
+        print(
+            f"{LAYERS}-layer GPT-2, d_model 256, 4 x 128 tokens per rank, {world} rank(s), "
+            f"{args.steps} steps each, torch {torch.__version__}"
+        )
         for name, t in times.items():
             median = statistics.median(t)
             print(f"{name:10s} {median * 1e3:9.1f} ms/step  {median / base:5.2f}x raw hooks")

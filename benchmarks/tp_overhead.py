@@ -8,16 +8,17 @@ gradient whole and double it. Raw hooks do the same by hand: a forward hook that
 shard and registers a tensor hook that all-gathers the gradient and returns it doubled. Both
 ranks run the same interleaved sequence; rank 0 prints medians and the ratio.
 """
+
 from __future__ import annotations
 
 import argparse
 
 import torch
 import torch.distributed as dist
+from ranks import print_ratios, time_in_turns
 
 import distgrad
 from distgrad.demo.models import build_llama, parallelize_llama
-from ranks import print_ratios, time_in_turns
 
 
 def gather_last(t, world):
@@ -33,6 +34,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
+
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     net = parallelize_llama(build_llama(), mesh)
@@ -72,8 +74,10 @@ def main():
     fns = {"raw hooks + manual all_gathers": raw, "distgrad": traced}
     times = time_in_turns(fns, args.steps, after=lambda: net.zero_grad(set_to_none=True))
     if rank == 0:
-        print(f"torch {torch.__version__}, tensor parallel over {world} ranks, gloo, "
-              f"median of {args.steps}")
+        print(
+            f"torch {torch.__version__}, tensor parallel over {world} ranks, gloo, "
+            f"median of {args.steps}"
+        )
         print_ratios(times, "raw hooks + manual all_gathers")
     dist.destroy_process_group()
 

@@ -14,6 +14,7 @@ a GPT-2 of 6 layers, d_model 512, 8 heads, a 8192-token vocabulary, batch 4 x 12
 nnsight has no Trainer integration (a user would rewrite ``training_step``), so it is not
 timed here. Prints the median ms per step of each and their ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,15 @@ import tempfile
 import time
 
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
-                          TrainingArguments)
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from distgrad.trainer import TracedTrainer
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
-SIZES = {"toy": (dict(n_layer=2, n_embd=64, n_head=2, vocab_size=384), 2, 8),
-         "user": (dict(n_layer=6, n_embd=512, n_head=8, vocab_size=8192), 4, 128)}
+SIZES = {
+    "toy": (dict(n_layer=2, n_embd=64, n_head=2, vocab_size=384), 2, 8),
+    "user": (dict(n_layer=6, n_embd=512, n_head=8, vocab_size=8192), 4, 128),
+}
 
 
 def build(size: str):
@@ -42,17 +44,26 @@ def build(size: str):
 def data(size: str, steps: int) -> list[dict]:
     config, batch, seq = SIZES[size]
     g = torch.Generator().manual_seed(1)
-    rows = [torch.randint(0, config["vocab_size"], (seq,), generator=g)
-            for _ in range(batch * steps)]
+    rows = [
+        torch.randint(0, config["vocab_size"], (seq,), generator=g) for _ in range(batch * steps)
+    ]
     return [{"input_ids": r, "labels": r.clone()} for r in rows]
 
 
 def arguments(size: str, steps: int) -> TrainingArguments:
     return TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="distgrad-bench-"), use_cpu=True, max_steps=steps,
-        per_device_train_batch_size=SIZES[size][1], optim="sgd", learning_rate=0.01,
-        train_sampling_strategy="sequential", report_to=[], save_strategy="no",
-        logging_strategy="no", disable_tqdm=True)
+        output_dir=tempfile.mkdtemp(prefix="distgrad-bench-"),
+        use_cpu=True,
+        max_steps=steps,
+        per_device_train_batch_size=SIZES[size][1],
+        optim="sgd",
+        learning_rate=0.01,
+        train_sampling_strategy="sequential",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
 
 
 def double_first_block(model, tr):
@@ -87,13 +98,16 @@ def with_raw_hooks(net):
 def train(kind: str, size: str, steps: int):
     """One turn: the trainer and the per-step seconds (the first step dropped)."""
     clock = StepTimes()
-    common = dict(args=arguments(size, steps), train_dataset=data(size, steps),
-                  callbacks=[clock])
+    common = dict(args=arguments(size, steps), train_dataset=data(size, steps), callbacks=[clock])
     if kind == "raw hooks":
         trainer = Trainer(model=with_raw_hooks(build(size)), **common)
     else:
-        trainer = TracedTrainer(model=build(size), intervention=double_first_block,
-                                on_step=lambda record: None, **common)
+        trainer = TracedTrainer(
+            model=build(size),
+            intervention=double_first_block,
+            on_step=lambda record: None,
+            **common,
+        )
     trainer.train()
     times = clock.times
     return trainer, [b - a for a, b in zip(times, times[1:])]
@@ -102,8 +116,10 @@ def train(kind: str, size: str, steps: int):
 def check(size: str) -> None:
     raw, _ = train("raw hooks", size, 3)
     traced, _ = train("distgrad", size, 3)
-    diff = max((p - q).abs().max().item()
-               for p, q in zip(raw.model.parameters(), traced.model.parameters()))
+    diff = max(
+        (p - q).abs().max().item()
+        for p, q in zip(raw.model.parameters(), traced.model.parameters())
+    )
     assert diff <= 1e-5, f"the variants' parameters differ by {diff:.3g} after 3 steps"
 
 

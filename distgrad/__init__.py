@@ -1,28 +1,36 @@
 """distgrad: read and edit activations and gradients during a real forward and backward pass.
 
-    model = distgrad.wrap(net, tokenizer=tok)
-    with model.trace("The Eiffel Tower is in"):
-        a1 = model.transformer.h[0].output
-        loss = model.output.logits.sum()
-        with loss.backward():
-            g = a1.grad.save()
-            a1.grad = a1.grad * 2
+model = distgrad.wrap(net, tokenizer=tok)
+with model.trace("The Eiffel Tower is in"):
+    a1 = model.transformer.h[0].output
+    loss = model.output.logits.sum()
+    with loss.backward():
+        g = a1.grad.save()
+        a1.grad = a1.grad * 2
 """
+
 from __future__ import annotations
 
-from . import engines, gradpatch, patches
+from . import engines, gradpatch, patches  # noqa: F401 (gradpatch registers .grad with patches)
 from .backward import BackwardTracer
 from .config import config
-from .errors import (GradientError, NotSavedError, OutOfOrderError, RankFailedError,
-                     TraceStateError, TraceUsageError)
+from .errors import (
+    GradientError,
+    NotSavedError,
+    OutOfOrderError,
+    RankFailedError,
+    TraceStateError,
+    TraceUsageError,
+)
 from .saving import save
 from .trace import Model, Trace
 
 __version__ = "0.1.0"
 
 
-def wrap(module, tokenizer=None, accelerator=None, tp_shards: dict | None = None,
-         full_model=None) -> Model:
+def wrap(
+    module, tokenizer=None, accelerator=None, tp_shards: dict | None = None, full_model=None
+) -> Model:
     """Wrap a module, or an engine's wrapper of one, for tracing.
 
     Args:
@@ -40,12 +48,26 @@ def wrap(module, tokenizer=None, accelerator=None, tp_shards: dict | None = None
     Returns:
         a :class:`Model` whose attributes mirror the user's module tree.
     """
-    return Model(engines.select(module, accelerator=accelerator, tp_shards=tp_shards,
-                                full_model=full_model), tokenizer=tokenizer)
+    return Model(
+        engines.select(module, accelerator=accelerator, tp_shards=tp_shards, full_model=full_model),
+        tokenizer=tokenizer,
+    )
 
 
 patches.install()  # Tensor.backward, Tensor.save, Tensor.grad
 
-__all__ = ["wrap", "save", "BackwardTracer", "Model", "Trace", "OutOfOrderError",
-           "NotSavedError", "TraceStateError", "TraceUsageError", "GradientError",
-           "RankFailedError", "config", "engines"]
+__all__ = [
+    "wrap",
+    "save",
+    "BackwardTracer",
+    "Model",
+    "Trace",
+    "OutOfOrderError",
+    "NotSavedError",
+    "TraceStateError",
+    "TraceUsageError",
+    "GradientError",
+    "RankFailedError",
+    "config",
+    "engines",
+]

@@ -10,12 +10,14 @@ block the real backward runs as a coroutine of the body (``interleave/transports
 pauses it where the gradient of ``t`` is computed, and what the body puts there flows on
 upstream.
 """
+
 from __future__ import annotations
 
 import dis
 import sys
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import greenlet
 import torch
@@ -48,10 +50,17 @@ class BackwardTracer:
         **kwargs: passed to ``fn`` (e.g. ``retain_graph=True``).
     """
 
-    def __init__(self, tensor: torch.Tensor, fn: Callable, *args: Any, backend: Any = None,
-                 scaler: Any = None, **kwargs: Any):
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        fn: Callable,
+        *args: Any,
+        backend: Any = None,
+        scaler: Any = None,
+        **kwargs: Any,
+    ):
         self.tensor = tensor  # the tensor whose backward runs (the scaled loss, with a scaler)
-        self.loss = tensor    # as the user wrote it
+        self.loss = tensor  # as the user wrote it
         self.scaler = scaler
         self.scale: float | None = None  # what the gradients are divided by in the body
         self.fn = fn
@@ -63,7 +72,7 @@ class BackwardTracer:
         self._own_body = False
 
     # -- the with-block -------------------------------------------------------------------
-    def __enter__(self) -> "BackwardTracer":
+    def __enter__(self) -> BackwardTracer:
         body = current_body()
         if body is not None and body.requests.backward_refused:
             raise NotImplementedError(body.requests.backward_refused)
@@ -72,10 +81,13 @@ class BackwardTracer:
                 "`with loss.backward():` over a tensor that does not require grad: the forward "
                 "carried no gradient tracking (torch.no_grad(), torch.inference_mode(), or a "
                 "frozen model with inputs that need no grad), so there is no graph to walk. Run "
-                "the trace with gradients enabled and at least one parameter or input requiring grad.")
+                "the trace with gradients enabled and at least one parameter or input requiring "
+                "grad."
+            )
         if body is not None and body.block is not None:
-            raise TraceStateError("a backward block is already open in this body; close it "
-                                  "before opening another.")
+            raise TraceStateError(
+                "a backward block is already open in this body; close it before opening another."
+            )
         if body is None:  # a block outside any trace
             patches.keep_on_top()
             body = Body(NO_TRACE)
@@ -107,12 +119,15 @@ class BackwardTracer:
         if not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(
                 f"{label}: scaler= takes a torch.amp.GradScaler (the one whose "
-                f"scaler.step(optimizer) follows), not {type(scaler).__name__}.")
+                f"scaler.step(optimizer) follows), not {type(scaler).__name__}."
+            )
         if not body.requests.unscales:
             raise NotImplementedError(
                 f"{label}: scaler= is served in a trace without invokes and outside a "
-                f"pipeline schedule only (this one runs its bodies {body.requests.mode!r}). Open `with scaler.scale(loss).backward():` instead; its "
-                f"gradients are scaled by scaler.get_scale().")
+                f"pipeline schedule only (this one runs its bodies {body.requests.mode!r}). "
+                f"Open `with scaler.scale(loss).backward():` instead; its gradients are scaled "
+                f"by scaler.get_scale()."
+            )
         engine = body.requests.engine
         if engine is not None and engine.own_backward:
             raise NotImplementedError(
@@ -120,13 +135,15 @@ class BackwardTracer:
                 f"or divides the loss itself (its own loss scaler, gradient accumulation); a "
                 f"second scaler would scale it again. Configure mixed precision through "
                 f"{engine.name} and open `with loss.backward():`; its gradients are scaled as "
-                f"{engine.name} scales them.")
+                f"{engine.name} scales them."
+            )
         if scaled_by(loss, scaler):
             raise ValueError(
                 f"{label}: this scaler has scaled that loss already, so the backward would "
                 f"scale it twice. Pass the unscaled loss "
                 f"(`with loss.backward(scaler=scaler):`), or drop scaler= to see the scaled "
-                f"gradients (`with scaler.scale(loss).backward():`).")
+                f"gradients (`with scaler.scale(loss).backward():`)."
+            )
         if scaler.is_enabled():  # a disabled scaler scales nothing: plain gradients
             self.tensor = scaler.scale(loss)
             self.scale = scaler.get_scale()
@@ -142,16 +159,20 @@ class BackwardTracer:
             return self.backend.backward(self.tensor, self.fn, self.args, self.kwargs)
         return self.fn(self.tensor, *self.args, **self.kwargs)
 
-    def execute(self, code: types.CodeType, globals: dict | None = None,
-                locals: dict | None = None) -> None:
+    def execute(
+        self, code: types.CodeType, globals: dict | None = None, locals: dict | None = None
+    ) -> None:
         """Run ``code`` (a compiled body) as the block's body, with the real backward.
 
         Equivalent to writing ``with tensor.backward(...):`` around the code; ``globals`` and
         ``locals`` default to the caller's."""
         frame = sys._getframe(1)
         with self:
-            exec(code, frame.f_globals if globals is None else globals,
-                 frame.f_locals if locals is None else locals)
+            exec(
+                code,
+                frame.f_globals if globals is None else globals,
+                frame.f_locals if locals is None else locals,
+            )
 
 
 class BackwardAttribute:
@@ -198,8 +219,9 @@ patches.register("backward", BackwardAttribute)
 
 def _is_torch_backward(function) -> bool:
     code = getattr(function, "__code__", None)
-    return (code is not None and code.co_name == "backward"
-            and code.co_filename == TENSOR_MODULE_FILE)
+    return (
+        code is not None and code.co_name == "backward" and code.co_filename == TENSOR_MODULE_FILE
+    )
 
 
 # -- is this call the subject of a `with`? -------------------------------------------------
@@ -231,7 +253,8 @@ def refuse_outside_block(body: Body, tensor: torch.Tensor) -> None:
     if tensor.grad_fn is not None:
         raise TraceStateError(
             f"{body.label_of(tensor)}.grad was read outside a backward block. Gradients "
-            f"exist only while the backward runs: read it inside `with loss.backward():`.")
+            f"exist only while the backward runs: read it inside `with loss.backward():`."
+        )
 
 
 def write_grad(body: Body, tensor: torch.Tensor, value) -> None:
@@ -244,8 +267,13 @@ class NoTraceRequests(Requests):
     unscales = True
 
     def open_backward(self, body, block) -> None:
-        block.session = Session("backward", block.run, [body],
-                                threaded=backward_threaded(block.tensor), scale=block.scale)
+        block.session = Session(
+            "backward",
+            block.run,
+            [body],
+            threaded=backward_threaded(block.tensor),
+            scale=block.scale,
+        )
 
     grad = staticmethod(grad_pause)
 

@@ -8,6 +8,7 @@ coroutine of the batched forward. Afterwards the names the body bound are writte
 caller's frame: a saved value as itself, anything else as a placeholder whose every use raises
 ``NotSavedError`` saying what happened.
 """
+
 from __future__ import annotations
 
 import ast
@@ -45,8 +46,11 @@ _bodies: dict = {}  # (file, line of the with) -> (lines, source, (code, names, 
 
 # What a captured body is, in messages: (the block, what to do instead of capturing it)
 INVOKE_BODY = ("`with tracer.invoke(...):` body", "or trace without invokes")
-PIPELINE_BODY = ("pipeline trace's body (`with model.trace(...):` over a pipeline schedule, "
-                 "run once per microbatch)", "such as a script run with torchrun")
+PIPELINE_BODY = (
+    "pipeline trace's body (`with model.trace(...):` over a pipeline schedule, "
+    "run once per microbatch)",
+    "such as a script run with torchrun",
+)
 
 
 def capture(frame, what: tuple = INVOKE_BODY) -> tuple:
@@ -55,9 +59,11 @@ def capture(frame, what: tuple = INVOKE_BODY) -> tuple:
     filename = frame.f_code.co_filename
     lines = source_lines(frame)
     if not lines:
-        raise RuntimeError(f"distgrad cannot read the source of {filename}, so a {what[0]} "
-                           f"there cannot be run later. Put the code in a file or notebook "
-                           f"cell, {what[1]}.")
+        raise RuntimeError(
+            f"distgrad cannot read the source of {filename}, so a {what[0]} "
+            f"there cannot be run later. Put the code in a file or notebook "
+            f"cell, {what[1]}."
+        )
     line = frame.f_lineno
     known = _bodies.get((filename, line))
     if known is not None and known[0] is lines:
@@ -72,8 +78,10 @@ def capture(frame, what: tuple = INVOKE_BODY) -> tuple:
     if node is None:
         raise RuntimeError(f"distgrad could not find the `with` statement at {filename}:{line}.")
     if one_line_body(node):
-        raise SyntaxError(f"{filename}:{line}: put the {what[0]} on its own lines; distgrad "
-                          f"runs it later and cannot skip a one-line body.")
+        raise SyntaxError(
+            f"{filename}:{line}: put the {what[0]} on its own lines; distgrad "
+            f"runs it later and cannot skip a one-line body."
+        )
     code = compile(ast.Module(body=node.body, type_ignores=[]), filename, "exec")
     found = (code, bound_names(node.body), first_real_line(node.body))
     _bodies[(filename, line)] = (lines, source, found)
@@ -106,8 +114,10 @@ def first_real_line(body) -> int | None:
     NOPs that no exception handler covers, so the skip must fire on a later line; a body of
     only such statements needs no skipping at all."""
     for stmt in body:
-        if not (isinstance(stmt, ast.Pass) or
-                (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))):
+        if not (
+            isinstance(stmt, ast.Pass)
+            or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
+        ):
             return stmt.lineno
     return None
 
@@ -116,7 +126,8 @@ def _innermost_with(tree, line: int):
     best = None
     for node in ast.walk(tree):
         if isinstance(node, ast.With) and node.lineno <= line <= max(
-                item.context_expr.end_lineno for item in node.items):
+            item.context_expr.end_lineno for item in node.items
+        ):
             if best is None or node.lineno >= best.lineno:
                 best = node
     return best
@@ -129,7 +140,9 @@ def bound_names(body) -> list[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.append(node.name)
             return  # their insides are their own scope
-        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+        if isinstance(
+            node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+        ):
             return
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.append(node.id)
@@ -188,14 +201,40 @@ class NotSaved:
         raise NotSavedError(
             f"name {name!r} was bound {where} but not saved. Such a body runs later than it is "
             f"written, and only saved values come back: write `{name} = (...).save()` or "
-            f"`distgrad.save({name})` in the body.")
+            f"`distgrad.save({name})` in the body."
+        )
 
 
-for _dunder in ("__getattr__", "__repr__", "__str__", "__bool__", "__len__", "__iter__",
-                "__getitem__", "__setitem__", "__call__", "__add__", "__radd__", "__sub__",
-                "__rsub__", "__mul__", "__rmul__", "__truediv__", "__matmul__", "__neg__",
-                "__float__", "__int__", "__index__", "__format__", "__eq__", "__lt__", "__gt__",
-                "__array__", "__contains__", "__setattr__"):
+for _dunder in (
+    "__getattr__",
+    "__repr__",
+    "__str__",
+    "__bool__",
+    "__len__",
+    "__iter__",
+    "__getitem__",
+    "__setitem__",
+    "__call__",
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__matmul__",
+    "__neg__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "__format__",
+    "__eq__",
+    "__lt__",
+    "__gt__",
+    "__array__",
+    "__contains__",
+    "__setattr__",
+):
     setattr(NotSaved, _dunder, NotSaved._fail)
 NotSaved.__hash__ = None
 

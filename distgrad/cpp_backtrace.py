@@ -17,6 +17,7 @@ only on x86-64 Linux with glibc, and never raises: where anything is unexpected 
 left as it was. ``DISTGRAD_CPP_BACKTRACES=1`` in the environment keeps glibc's ``backtrace()``
 (and the risk of the crash). nnsight guards its greenlets the same way.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -6,6 +6,7 @@ pause the run where the module produces them. Anything that is not a module (a p
 a wrapper (PEFT, torch.compile) passes on from the model inside it. Envoys take no assignment
 but those three: anything else would land on the module and change nothing.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -26,8 +27,8 @@ _Tensor = torch.Tensor
 class Envoy:
     """The envoy of one module; see the module text. Its fields start with an underscore so
     that every other name reaches the user's module (as in nnsight); the objects that serve
-    requests (``interleave/forward_requests.py``, the pipeline's
-    ``requests.py``) read them, and ``interleave.forward_requests.ForwardRequests`` alone writes ``_kept``:
+    requests (``interleave/forward_requests.py``, the pipeline's ``body_requests.py``) read
+    them, and ``ForwardRequests`` alone writes ``_kept``:
 
     * ``_module``: the module (an engine's per-module wrapper unwrapped); ``_path``: the path
       the user wrote, from ``model``; ``_parent``: the envoy of the enclosing module, None at
@@ -43,11 +44,27 @@ class Envoy:
     # __dict__ holds child envoys by attribute name once looked up, so that `model.transformer`
     # is a plain attribute read the second time (no __getattr__ call). __weakref__: user code
     # keeps weak references to models (caches keyed by model, as to an nn.Module or nnsight's).
-    __slots__ = ("_module", "_path", "_children", "_call", "_parent", "_engine", "_local",
-                 "_kept", "__dict__", "__weakref__")
+    __slots__ = (
+        "_module",
+        "_path",
+        "_children",
+        "_call",
+        "_parent",
+        "_engine",
+        "_local",
+        "_kept",
+        "__dict__",
+        "__weakref__",
+    )
 
-    def __init__(self, module: torch.nn.Module, path: str, call: int | None = None,
-                 parent: "Envoy | None" = None, engine=None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        path: str,
+        call: int | None = None,
+        parent: Envoy | None = None,
+        engine=None,
+    ):
         engine = engine if engine is not None else parent._engine
         object.__setattr__(self, "_engine", engine)
         object.__setattr__(self, "_module", engine.unwrap(module))
@@ -56,7 +73,9 @@ class Envoy:
         object.__setattr__(self, "_call", call)
         object.__setattr__(self, "_parent", parent)
         object.__setattr__(self, "_local", False)
-        object.__setattr__(self, "_kept", None)  # points kept between traces (ForwardRequests._new_point)
+        object.__setattr__(
+            self, "_kept", None
+        )  # points kept between traces (ForwardRequests._new_point)
 
     def _ancestors(self):
         envoy = self._parent
@@ -93,14 +112,17 @@ class Envoy:
         near = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(f'{self._path}.{n}' for n in near)}?" if near else ""
         listing = ", ".join(list(submodules(module))[:12]) or "none"
-        raise AttributeError(f"{self._path} ({type(module).__name__}) has no submodule or "
-                             f"attribute {name!r}.{hint} Its submodules: {listing}.")
+        raise AttributeError(
+            f"{self._path} ({type(module).__name__}) has no submodule or "
+            f"attribute {name!r}.{hint} Its submodules: {listing}."
+        )
 
-    def _forwarded(self, name: str, module: torch.nn.Module) -> "Envoy":
+    def _forwarded(self, name: str, module: torch.nn.Module) -> Envoy:
         """The envoy of a module that ``getattr`` found but that is not a child of this one
         (``PeftModel`` and ``OptimizedModule`` pass lookups on to the model inside). It keeps
         the name the user wrote, and its parent is the envoy of the module that really holds
-        it, so that the enclosing modules a trace watches (ForwardRequests._new_point) are the real ones."""
+        it, so that the enclosing modules a trace watches (ForwardRequests._new_point) are the
+        real ones."""
         root = self
         while root._parent is not None:
             root = root._parent
@@ -110,7 +132,7 @@ class Envoy:
         parent = self if path is None else root._descend(path.split(".")[:-1])
         return Envoy(module, f"{self._path}.{name}", parent=parent)
 
-    def _descend(self, names: list) -> "Envoy":
+    def _descend(self, names: list) -> Envoy:
         """The envoy at the dotted path ``names`` below this one, along the module tree. A name
         of an engine's per-module wrapper (which ``unwrap`` already stepped through) is skipped."""
         envoy = self
@@ -132,15 +154,21 @@ class Envoy:
             return envoy
         module = self._module
         if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
-            raise TypeError(f"{self._path} ({type(module).__name__}) cannot be indexed; only "
-                            "ModuleList, Sequential and ModuleDict can.")
+            raise TypeError(
+                f"{self._path} ({type(module).__name__}) cannot be indexed; only "
+                "ModuleList, Sequential and ModuleDict can."
+            )
         try:
             sub = module[key]
         except (IndexError, KeyError):
-            valid = (f"keys {list(module.keys())}" if isinstance(module, torch.nn.ModuleDict)
-                     else f"indices 0..{len(module) - 1}")
-            raise ModuleIndexError(f"{self._path}[{key!r}] does not exist: {self._path} has "
-                                   f"{valid}.") from None
+            valid = (
+                f"keys {list(module.keys())}"
+                if isinstance(module, torch.nn.ModuleDict)
+                else f"indices 0..{len(module) - 1}"
+            )
+            raise ModuleIndexError(
+                f"{self._path}[{key!r}] does not exist: {self._path} has {valid}."
+            ) from None
         label = f"{self._path}[{key!r}]" if isinstance(key, str) else f"{self._path}[{key}]"
         envoy = Envoy(sub, label, parent=self) if isinstance(sub, torch.nn.Module) else sub
         self._children[key] = envoy
@@ -159,12 +187,18 @@ class Envoy:
     def __repr__(self):
         return f"Envoy({self._path}: {type(self._module).__name__})"
 
-    def call(self, i: int) -> "Envoy":
-        """The ``i``-th call (from 0) of this module in the trace, for modules run more than once."""
+    def call(self, i: int) -> Envoy:
+        """The ``i``-th call (from 0) of this module in the trace, for modules run more than
+        once."""
         if not isinstance(i, int) or i < 0:
             raise ValueError(f"{self._path}.call(i) needs an int i >= 0, got {i!r}.")
-        return Envoy(self._module, f"{self._path}.call({i})", call=i, parent=self._parent,
-                     engine=self._engine)
+        return Envoy(
+            self._module,
+            f"{self._path}.call({i})",
+            call=i,
+            parent=self._parent,
+            engine=self._engine,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -178,12 +212,17 @@ class Envoy:
         return first.device if first is not None else torch.device("cpu")
 
     @property
-    def local(self) -> "Envoy":
+    def local(self) -> Envoy:
         """This module as this rank holds it: under tensor parallelism ``.local.output`` is the
         rank's shard as the module returned it, with no communication. Elsewhere the same as
         the envoy itself."""
-        envoy = Envoy(self._module, f"{self._path}.local", call=self._call, parent=self._parent,
-                      engine=self._engine)
+        envoy = Envoy(
+            self._module,
+            f"{self._path}.local",
+            call=self._call,
+            parent=self._parent,
+            engine=self._engine,
+        )
         object.__setattr__(envoy, "_local", True)
         return envoy
 
@@ -191,8 +230,9 @@ class Envoy:
     def _pause(self, kind: str):
         body = current_body()
         if body is None:
-            raise TraceUsageError(f"{self._path}.{kind} can only be used inside "
-                                  "`with model.trace(...):`.")
+            raise TraceUsageError(
+                f"{self._path}.{kind} can only be used inside `with model.trace(...):`."
+            )
         return body, body.requests.module_value(body, self, kind)
 
     @property
@@ -234,7 +274,8 @@ class Envoy:
 
     @property
     def input(self):
-        """The first positional argument (or, for a call with keywords only, the first keyword's value)."""
+        """The first positional argument (or, for a call with keywords only, the first
+        keyword's value)."""
         body, pause = self._pause("input")
         args, kwargs = pause.replacement if pause.replacement is not UNSET else pause.view
         value = _first(args, kwargs, self._path)
@@ -268,7 +309,8 @@ class Envoy:
             f".inputs only, and distgrad does not pass other assignments on to the module "
             f"(a new attribute there changes nothing).{hint} To change the module itself, do it "
             f"on the module "
-            f"(model.module is the wrapped module) and call distgrad.wrap again.")
+            f"(model.module is the wrapped module) and call distgrad.wrap again."
+        )
 
 
 def _first(args, kwargs, path):
@@ -280,15 +322,34 @@ def _first(args, kwargs, path):
 
 
 # nn.Module's methods that return the module itself (other methods are returned unchanged)
-_RETURN_THE_MODULE = frozenset({"to", "cpu", "cuda", "xpu", "mtia", "ipu", "half", "float",
-                                "double", "bfloat16", "type", "train", "eval", "requires_grad_",
-                                "apply", "share_memory", "to_empty"})
+_RETURN_THE_MODULE = frozenset(
+    {
+        "to",
+        "cpu",
+        "cuda",
+        "xpu",
+        "mtia",
+        "ipu",
+        "half",
+        "float",
+        "double",
+        "bfloat16",
+        "type",
+        "train",
+        "eval",
+        "requires_grad_",
+        "apply",
+        "share_memory",
+        "to_empty",
+    }
+)
 
 
-def _envoy_for_self(method, module: torch.nn.Module, envoy: "Envoy"):
+def _envoy_for_self(method, module: torch.nn.Module, envoy: Envoy):
     """``method`` of ``module``, returning ``envoy`` where it returns the module itself
     (``to``, ``cpu``, ``train``, ``requires_grad_``: ``model = model.to(dev)`` keeps the envoy,
     as in nnsight)."""
+
     @functools.wraps(method)
     def call(*args, **kwargs):
         out = method(*args, **kwargs)

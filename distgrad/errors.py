@@ -3,6 +3,7 @@
 Every message names what the user wrote (``model.transformer.h[0].output``, ``a1.grad``) and
 says what to do; docs/errors.rst has a page for each.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,14 +58,20 @@ def describe_tensor(t: torch.Tensor) -> str:
 def check_replacement_grad(label, old: torch.Tensor, new) -> None:
     """Refuse a replacement gradient that autograd would reject later with a vaguer message.
     ``label`` is the name the user wrote (``a1.grad``), or a function that words it."""
-    if (isinstance(new, torch.Tensor) and new.shape == old.shape and new.dtype == old.dtype
-            and new.device == old.device):
+    if (
+        isinstance(new, torch.Tensor)
+        and new.shape == old.shape
+        and new.dtype == old.dtype
+        and new.device == old.device
+    ):
         return
     if callable(label):
         label = label()
     if not isinstance(new, torch.Tensor):
-        raise TypeError(f"{label} = ... needs a torch.Tensor, got {type(new).__name__}. "
-                        f"Build the replacement from the gradient, e.g. {label} = {label} * 2.")
+        raise TypeError(
+            f"{label} = ... needs a torch.Tensor, got {type(new).__name__}. "
+            f"Build the replacement from the gradient, e.g. {label} = {label} * 2."
+        )
     problems = []
     if new.shape != old.shape:
         problems.append(f"shape {list(new.shape)} instead of {list(old.shape)}")
@@ -73,9 +80,12 @@ def check_replacement_grad(label, old: torch.Tensor, new) -> None:
     if new.device != old.device:
         problems.append(f"device {new.device} instead of {old.device}")
     if problems:
-        raise GradientError(f"{label} = ... : the replacement gradient has " + ", ".join(problems)
-                         + f". A replacement must match the gradient it replaces; build it from "
-                           f"{label} (e.g. {label} * 2, torch.zeros_like({label})).")
+        raise GradientError(
+            f"{label} = ... : the replacement gradient has "
+            + ", ".join(problems)
+            + f". A replacement must match the gradient it replaces; build it from "
+            f"{label} (e.g. {label} * 2, torch.zeros_like({label}))."
+        )
 
 
 class RankFailedError(RuntimeError):

@@ -1,8 +1,8 @@
 """``.grad`` inside a body: the one class attribute distgrad adds, and why nobody else notices.
 
-``patches.install()`` (run at import) puts a property named ``grad`` on ``torch.Tensor`` that first asks
-"is the caller a with-block body?" (its greenlet is in ``BODIES``; with no trace open that is one
-empty-dict check). Only then, and only for a tensor of the graph that is not an ``nn.Parameter``
+``patches.install()`` (run at import) puts a property named ``grad`` on ``torch.Tensor`` that first
+asks "is the caller a with-block body?" (its greenlet is in ``BODIES``; with no trace open that is
+one empty-dict check). Only then, and only for a tensor of the graph that is not an ``nn.Parameter``
 and does not ``retain_grad()``, is the read or write served by distgrad. Every other caller - an
 optimizer, FSDP's post-backward, DeepSpeed's ZeRO hooks, a ``register_post_accumulate_grad_hook``
 - runs on autograd's thread, in the run's greenlet or outside any body, and gets the ``grad``
@@ -15,6 +15,7 @@ forward slower, while the property itself adds little to a ``.grad`` access. A t
 installs it again only if another library has put its own ``grad`` over it since
 (``patches.keep_on_top``).
 """
+
 from __future__ import annotations
 
 import greenlet
@@ -36,8 +37,9 @@ _Parameter = torch.nn.Parameter
 
 def served(tensor) -> bool:
     # `type(t) is Tensor` first: Parameter's isinstance goes through a Python metaclass hook.
-    return ((tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter))
-            and not tensor.retains_grad)
+    return (
+        tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter)
+    ) and not tensor.retains_grad
 
 
 class BodyGrad(property):
@@ -56,8 +58,8 @@ def make_property(previous) -> BodyGrad:
     set_previous = getattr(previous, "__set__", _PLAIN.__set__)
     delete_previous = getattr(previous, "__delete__", _PLAIN.__delete__)
 
-    # get_grad and set_grad run for every `.grad` in a body (three times per read+edit), so the common
-    # cases are written out here rather than called: Pause.value(), served(), Pause.replace().
+    # get_grad and set_grad are the entry of every `.grad` in a body (three per read+edit), so
+    # the common cases are answered here: Pause.value(), served() and Pause.replace() in short.
     def get_grad(tensor):
         if BODIES:
             body = BODIES.get(_getcurrent())
@@ -66,8 +68,9 @@ def make_property(previous) -> BodyGrad:
                 if pause is not None and pause.tensor is tensor:  # the gradient the backward is at
                     value = pause.replacement
                     return pause.view if value is UNSET else value
-                if ((tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter))
-                        and not tensor.retains_grad):
+                if (
+                    tensor.__class__ is _Tensor or not isinstance(tensor, _Parameter)
+                ) and not tensor.retains_grad:
                     if body.block is not None:
                         pause = body.requests.grad(body, tensor)
                         value = pause.replacement
@@ -82,10 +85,13 @@ def make_property(previous) -> BodyGrad:
                 pause = body.pause
                 if pause is not None and pause.tensor is tensor:  # `t.grad = t.grad * 2`
                     old = pause.view
-                    if not (value.__class__ is _Tensor and value.shape == old.shape
-                            and value.dtype == old.dtype and value.device == old.device):
-                        check_replacement_grad(lambda: body.label_of(tensor) + ".grad", old,
-                                               value)
+                    if not (
+                        value.__class__ is _Tensor
+                        and value.shape == old.shape
+                        and value.dtype == old.dtype
+                        and value.device == old.device
+                    ):
+                        check_replacement_grad(lambda: body.label_of(tensor) + ".grad", old, value)
                     pause.replacement = value
                     return
                 if body.block is not None and served(tensor) and tensor.requires_grad:
@@ -99,7 +105,6 @@ def make_property(previous) -> BodyGrad:
 def make_grad(previous):
     """The body-aware ``grad`` property over ``previous`` (PyTorch's, when the class has none)."""
     return make_property(_PLAIN if previous is None else previous)
-
 
 
 patches.register("grad", make_grad)

@@ -13,6 +13,7 @@ distgrad's, and installs any that is not again, over the other library's, which 
 to. The check is three lookups in the class's dict; the install happens only after another
 library has changed the class (see gradpatch.py for why installs are kept rare).
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,6 +51,9 @@ def keep_on_top() -> None:
     """Install again any of distgrad's three attributes that another library has replaced."""
     attrs = torch.Tensor.__dict__
     ours = _ours
-    if (attrs.get("backward") is not ours["backward"] or attrs.get("save") is not ours["save"]
-            or attrs.get("grad") is not ours["grad"]):
+    if (
+        attrs.get("backward") is not ours["backward"]
+        or attrs.get("save") is not ours["save"]
+        or attrs.get("grad") is not ours["grad"]
+    ):
         install()

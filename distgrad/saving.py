@@ -8,6 +8,7 @@ In a body written directly under ``with model.trace(...)`` every name is an ordi
 so an unsaved value is still there afterwards; saving is what makes a value reach the code after
 an invoke block, and what a parallel engine gathers to rank 0.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -48,7 +49,8 @@ def save(obj, *, gather: str = "rank0", dim: int = 0):
         raise TraceUsageError(
             ".save() was called outside a trace. Values exist only while a trace runs: call "
             ".save() inside `with model.trace(...):` (or a backward block), e.g. "
-            "`h = model.transformer.h[0].output.save()`.")
+            "`h = model.transformer.h[0].output.save()`."
+        )
     body.saves.append((obj, gather, dim))
     return obj
 

@@ -6,6 +6,7 @@ installs) cannot afford a Python call per access: they read the same attribute i
 line that names the entry here (``# torch internal: torch_internals.NAME``), and
 ``tests/test_hygiene.py`` checks that no other line in distgrad/ touches a torch internal.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -171,6 +172,7 @@ def compiled_original(obj):
     if "torch._dynamo" not in sys.modules:
         return None
     from torch._dynamo.eval_frame import OptimizedModule
+
     return obj._orig_mod if isinstance(obj, OptimizedModule) else None
 
 
@@ -212,6 +214,7 @@ def fsdp1_unsharded_grads(root) -> bool:
     (``_traversal_utils._get_fsdp_handles``) and the shard size (``FlatParameter._sharded_size``)
     have no public accessor."""
     from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
+
     for handle in _get_fsdp_handles(root):
         flat = handle.flat_param
         if flat.grad is not None and flat.grad.size() != flat._sharded_size:
@@ -225,6 +228,7 @@ def fsdp1_grad_layout(root) -> tuple[bool, bool, int]:
     whether an original parameter's ``.grad`` is this rank's piece of the reduced gradient.
     ``use_orig_params`` lives on the handle only (``FlatParamHandle._use_orig_params``)."""
     from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
+
     handles = _get_fsdp_handles(root)
     keeps = all(h._use_orig_params for h in handles)
     sharded = all(h.uses_sharded_strategy for h in handles)

@@ -1,9 +1,11 @@
 """The forward trace: ``with model.trace(inputs):`` and the object ``distgrad.wrap`` returns.
 
-The body runs in place, in the caller's own frame; the model's forward runs as a coroutine of it
-(``interleave/transports.py``), advancing only as far as the body's next request. So a trace that asks
-for nothing is one plain forward, and every value the body sees is the real tensor of the run.
+The body runs in place, in the caller's own frame; the model's forward runs as a coroutine of
+it (``interleave/transports.py``), advancing only as far as the body's next request. So a trace
+that asks for nothing is one plain forward, and every value the body sees is the real tensor of
+the run.
 """
+
 from __future__ import annotations
 
 import sys
@@ -12,7 +14,6 @@ import greenlet
 import torch
 
 from . import capture, engines, patches, wrappers
-from .config import config
 from .envoy import Envoy
 from .errors import TraceStateError, TraceUsageError, drop_context, forget_frames
 from .interleave import batching
@@ -53,19 +54,20 @@ class Model(Envoy):
             try:
                 value = getattr(wrapper, name)
             except AttributeError:
-                raise AttributeError(f"{missing} Neither has its wrapper "
-                                     f"({type(wrapper).__name__}).") from None
+                raise AttributeError(
+                    f"{missing} Neither has its wrapper ({type(wrapper).__name__})."
+                ) from None
         if isinstance(value, torch.nn.Module):  # a module is always an envoy
             return self._forwarded(name, value)
         return value
 
-    def trace(self, *args, **kwargs) -> "Trace":
+    def trace(self, *args, **kwargs) -> Trace:
         """Open a trace of one forward. Text is tokenized; tensors and dicts pass through.
 
         With no inputs, add them with ``tracer.invoke(...)`` blocks (one batch)."""
         return Trace(self, "forward", args, kwargs)
 
-    def trace_step(self, run, backward) -> "Trace":
+    def trace_step(self, run, backward) -> Trace:
         """Open a trace over another library's training step (Hugging Face ``Trainer``:
         ``distgrad.trainer`` uses this). ``run()`` runs the step's forward and returns the loss
         it would backpropagate, without running the backward; ``backward(loss)`` runs that
@@ -74,7 +76,7 @@ class Model(Envoy):
         run when the body ends."""
         return Trace(self, "step", (), {}, step=(run, backward))
 
-    def generate(self, *args, **kwargs) -> "Trace":
+    def generate(self, *args, **kwargs) -> Trace:
         """Trace ``module.generate(...)``: forward values only (generate runs without gradients)."""
         return Trace(self, "generate", args, kwargs)
 
@@ -105,33 +107,37 @@ class Trace:
     for batched inputs, open :meth:`invoke` blocks inside it. What serves the body's requests
     is chosen as the block opens (``requests``; see ``interleave/requests.py``)."""
 
-    def __init__(self, model: Model, method: str, args: tuple, kwargs: dict,
-                 step: tuple | None = None):
+    def __init__(
+        self, model: Model, method: str, args: tuple, kwargs: dict, step: tuple | None = None
+    ):
         self.model = model
         self.engine = model._engine
         self.tokenizer = model._tokenizer
         self.method = method
         self.raw_inputs = (args, kwargs)
-        self.step = step       # trace_step's (run, backward), or None
+        self.step = step  # trace_step's (run, backward), or None
         self.invokes: list = []
         self.body: Body | None = None
-        self.requests = None   # what serves the body's requests while open (interleave/requests.py)
-        self.mode = None       # how the body ran: "in place", "invokes", "per microbatch", ...
-        self.frame = None      # the caller's frame, while the trace runs a body lifted out of it
+        self.requests = None  # what serves the body's requests while open (interleave/requests.py)
+        self.mode = None  # how the body ran: "in place", "invokes", "per microbatch", ...
+        self.frame = None  # the caller's frame, while the trace runs a body lifted out of it
 
     # -- the with-block -------------------------------------------------------------------
-    def __enter__(self) -> "Trace":
+    def __enter__(self) -> Trace:
         patches.keep_on_top()  # a library imported since may have replaced Tensor.backward
         self._glet = greenlet.getcurrent()
         if self._glet in BODIES:
-            raise TraceStateError("a trace is already open in this body; traces do not nest. "
-                                  "Close the first `with model.trace(...)` block before opening another.")
+            raise TraceStateError(
+                "a trace is already open in this body; traces do not nest. "
+                "Close the first `with model.trace(...)` block before opening another."
+            )
         skip_from = None
         if self.step is not None:
             if self.engine.captures_body:
                 raise NotImplementedError(
                     f"model.trace_step(...): the {self.engine.name} engine runs the step itself "
-                    f"(a pipeline schedule); trace it with model.trace(inputs).")
+                    f"(a pipeline schedule); trace it with model.trace(inputs)."
+                )
             self.requests = StepRequests(self, *self.step)
         elif self.engine.captures_body:
             # before anything is registered: if the body cannot be captured, __exit__ never
@@ -181,7 +187,7 @@ class Trace:
             finally:
                 # This frame joins the traceback of whatever leaves it; locals that hold that
                 # exception would make a cycle through it.
-                error = exc = skip = tb = None
+                error = exc = skip = tb = None  # noqa: F841
         return skipped
 
     def _release(self) -> None:
@@ -214,20 +220,24 @@ class Trace:
                 f"tracer.invoke(...) was opened inside the body of invoke {body.index}: an "
                 f"invoke cannot be opened inside another invoke's body. Close the first "
                 f"`with tracer.invoke(...):` block before opening the next, each directly in "
-                f"the trace's body.")
+                f"the trace's body."
+            )
         if (args or kwargs) and self.has_inputs():
             raise TraceUsageError(
                 "model.trace(inputs) already has inputs: either pass inputs to trace() or to "
                 "tracer.invoke(...) blocks, not both. (An empty tracer.invoke() in it sees "
-                "the trace's whole batch.)")
+                "the trace's whole batch.)"
+            )
         refused = self.requests.invokes_refused
         if refused:
             raise TraceStateError(refused)
         if not self.invokes:  # the invokes serve the bodies from now on
             if self.requests.forward is not None:
-                raise TraceUsageError("tracer.invoke(...) must come before the body reads any "
-                                      "value: the forward has started on no inputs. Open the "
-                                      "invokes first and read values inside them.")
+                raise TraceUsageError(
+                    "tracer.invoke(...) must come before the body reads any "
+                    "value: the forward has started on no inputs. Open the "
+                    "invokes first and read values inside them."
+                )
             self.requests = self.body.requests = Invokes(self)
             self.mode = self.requests.mode
         return Invoke(self, args, kwargs)
@@ -242,7 +252,8 @@ class Trace:
             raise TraceStateError(
                 "tracer.result was read outside the body of its trace: it is served inside "
                 "`with model.generate(...) as tracer:`, once generate() has returned. Save it "
-                "there to keep it: ids = tracer.result.save().")
+                "there to keep it: ids = tracer.result.save()."
+            )
         return self.requests.result(body)
 
     @property
@@ -269,4 +280,3 @@ class PerMicrobatch(Requests):
 
     def close(self) -> None:
         self.trace = self.body = None
-

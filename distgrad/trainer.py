@@ -35,9 +35,11 @@ FSDP, DeepSpeed), its loss scaling and gradient accumulation are what they are w
 To trace another ``Trainer`` subclass (TRL's ``SFTTrainer``, your own), put ``TraceSteps``
 first among its bases: ``class MyTrainer(TraceSteps, SFTTrainer): pass``.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import transformers
@@ -67,17 +69,18 @@ class TraceSteps:
     ``saved``, the ``TracedStep`` records when there is no callback.
     """
 
-    def __init__(self, *args, intervention: Callable, on_step: Callable | None = None,
-                 **kwargs):
+    def __init__(self, *args, intervention: Callable, on_step: Callable | None = None, **kwargs):
         if not callable(intervention):
-            raise TypeError(f"{type(self).__name__}(intervention=...) takes a function "
-                            f"intervention(model, tr), not {type(intervention).__name__}.")
+            raise TypeError(
+                f"{type(self).__name__}(intervention=...) takes a function "
+                f"intervention(model, tr), not {type(intervention).__name__}."
+            )
         super().__init__(*args, **kwargs)
         self.intervention = intervention
         self.on_step = on_step
         self.saved: list[TracedStep] = []
         self.traced_model: Model | None = None  # distgrad's model of the prepared one
-        self.traced_for = None                  # ...and the prepared model it wraps
+        self.traced_for = None  # ...and the prepared model it wraps
         self.micro_batch = 0
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -93,15 +96,17 @@ class TraceSteps:
         def run():
             accelerator.backward = backward_later  # on the instance, for this call only
             try:
-                returned.append(super(TraceSteps, self).training_step(
-                    model, inputs, num_items_in_batch))
+                returned.append(
+                    super(TraceSteps, self).training_step(model, inputs, num_items_in_batch)
+                )
             finally:
                 del accelerator.backward
             if "loss" not in deferred:
                 raise RuntimeError(
                     f"{type(self).__name__}.training_step returned without calling "
                     f"accelerator.backward(loss): distgrad finds the step's loss there. Trace "
-                    f"steps of a Trainer whose training_step runs accelerate's backward.")
+                    f"steps of a Trainer whose training_step runs accelerate's backward."
+                )
             return deferred["loss"]
 
         def backward(loss):
@@ -151,6 +156,7 @@ def _copies_of_model_state(value, module):
         if type(obj) in (tuple, list):  # (a named tuple's fields stay as they are)
             return type(obj)(copy(item) for item in obj)
         return obj
+
     return copy(value)
 
 
@@ -168,6 +174,7 @@ def _save_unsaved(value) -> None:
         elif isinstance(obj, (tuple, list)):
             for item in obj:
                 walk(item)
+
     walk(value)
 
 

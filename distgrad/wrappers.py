@@ -13,6 +13,7 @@
   names a module that is not a child of the wrapper. ``module_path`` finds where such a module
   sits in the tree, so that its envoy knows its real enclosing modules.
 """
+
 from __future__ import annotations
 
 import torch

@@ -9,6 +9,7 @@ with a raw tensor hook making that edit. Runs on one process or many (DDP over g
     torchrun --nproc_per_node 2 examples/accelerate_loop.py
     accelerate launch --config_file launch/accelerate_cpu.yaml examples/accelerate_loop.py
 """
+
 import sys
 
 import torch
@@ -20,8 +21,12 @@ from distgrad.demo.models import build_gpt2
 TOLERANCE = 1e-5  # fp32 parameters after 3 SGD steps (DDP may sum in another order)
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
 # each rank trains on its own micro-batches: 6 of them, 3 optimizer steps
-batches = [torch.randint(0, 384, (2, 8), generator=torch.Generator().manual_seed(
-    100 * accelerator.process_index + i)) for i in range(6)]
+batches = [
+    torch.randint(
+        0, 384, (2, 8), generator=torch.Generator().manual_seed(100 * accelerator.process_index + i)
+    )
+    for i in range(6)
+]
 
 
 def prepared():
@@ -62,8 +67,12 @@ start = build_gpt2()
 moved = max((p - q).abs().max().item() for p, q in zip(ref_net.parameters(), start.parameters()))
 worst = max((p - q).abs().max().item() for p, q in zip(net.parameters(), ref_net.parameters()))
 if moved < 1e-4 or worst > TOLERANCE:
-    sys.exit(f"rank {accelerator.process_index}: mismatch: the steps moved the parameters by "
-             f"{moved:.1e}; they differ from the raw-hook loop's by {worst:.1e} "
-             f"(tolerance {TOLERANCE})")
-accelerator.print(f"ok: accelerate loop on {accelerator.num_processes} process(es): parameters "
-                  f"after 3 steps equal the raw-hook loop's (largest difference {worst:.1e})")
+    sys.exit(
+        f"rank {accelerator.process_index}: mismatch: the steps moved the parameters by "
+        f"{moved:.1e}; they differ from the raw-hook loop's by {worst:.1e} "
+        f"(tolerance {TOLERANCE})"
+    )
+accelerator.print(
+    f"ok: accelerate loop on {accelerator.num_processes} process(es): parameters "
+    f"after 3 steps equal the raw-hook loop's (largest difference {worst:.1e})"
+)

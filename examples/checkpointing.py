@@ -8,6 +8,7 @@ without checkpointing, the edits made by raw forward and tensor hooks.
 
     python examples/checkpointing.py
 """
+
 import sys
 import warnings
 
@@ -60,7 +61,11 @@ for name, p in plain.named_parameters():
         sys.exit(f"mismatch: {name} has no gradient after the traced step")
     worst = max(worst, (grads[name] - p.grad).abs().max().item())
 if len(seen) != 1 or worst > TOLERANCE:
-    sys.exit(f"mismatch: the hook saw {len(seen)} gradients (expected 1); the traced step "
-             f"differs from the raw-hook step by {worst:.1e} (tolerance {TOLERANCE})")
-print(f"ok: checkpointed step: the gradient read and {len(grads)} parameter gradients equal "
-      f"the raw-hook step's (largest difference {worst:.1e})")
+    sys.exit(
+        f"mismatch: the hook saw {len(seen)} gradients (expected 1); the traced step "
+        f"differs from the raw-hook step by {worst:.1e} (tolerance {TOLERANCE})"
+    )
+print(
+    f"ok: checkpointed step: the gradient read and {len(grads)} parameter gradients equal "
+    f"the raw-hook step's (largest difference {worst:.1e})"
+)

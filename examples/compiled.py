@@ -9,6 +9,7 @@ parameter gradients are checked against the eager model with raw hooks making th
 
     python examples/compiled.py
 """
+
 import copy
 import sys
 
@@ -63,7 +64,11 @@ for grad, grads in traced:
     for name, p in eager.named_parameters():
         worst = max(worst, (grads[name] - p.grad).abs().max().item())
 if worst > TOLERANCE:
-    sys.exit(f"mismatch: a traced step of the compiled model differs from the eager model's "
-             f"raw-hook step by {worst:.1e} (tolerance {TOLERANCE})")
-print(f"ok: torch.compile (aot_eager): traced steps between compiled steps equal the eager "
-      f"raw-hook step (largest difference {worst:.1e})")
+    sys.exit(
+        f"mismatch: a traced step of the compiled model differs from the eager model's "
+        f"raw-hook step by {worst:.1e} (tolerance {TOLERANCE})"
+    )
+print(
+    f"ok: torch.compile (aot_eager): traced steps between compiled steps equal the eager "
+    f"raw-hook step (largest difference {worst:.1e})"
+)

@@ -9,6 +9,7 @@ decoding, so the ids must be equal).
 
     python examples/generate.py
 """
+
 import sys
 
 import torch
@@ -29,7 +30,7 @@ with model.generate(prompt, **GREEDY) as tracer:
         block = model.transformer.h[0].call(step)
         block.output = block.output + steering[step]
     ids = tracer.result.save()
-print("steered:", ids[:, prompt.shape[1]:].tolist())
+print("steered:", ids[:, prompt.shape[1] :].tolist())
 
 # The oracle: plain generate, the edit made by a raw forward hook.
 unsteered = net.generate(prompt, **GREEDY)
@@ -47,7 +48,10 @@ handle.remove()
 if torch.equal(expected, unsteered):
     sys.exit("the steering changes no token: the comparison would prove nothing")
 if not torch.equal(ids, expected):
-    sys.exit(f"mismatch: generated {ids.tolist()}, plain generate with the hook "
-             f"{expected.tolist()}")
-print(f"ok: generate with an edit at each of {NEW_TOKENS} steps: the ids equal plain generate's "
-      f"with a raw hook")
+    sys.exit(
+        f"mismatch: generated {ids.tolist()}, plain generate with the hook {expected.tolist()}"
+    )
+print(
+    f"ok: generate with an edit at each of {NEW_TOKENS} steps: the ids equal plain generate's "
+    f"with a raw hook"
+)

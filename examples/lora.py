@@ -7,6 +7,7 @@ parameters are checked against the same steps in plain PyTorch with a raw tensor
 
     python examples/lora.py
 """
+
 import sys
 
 import torch
@@ -21,8 +22,9 @@ ids = torch.randint(0, 384, (2, 8), generator=torch.Generator().manual_seed(0))
 
 def lora_model():
     # fan_in_fan_out: GPT-2's c_attn is a Conv1D, its weight stored transposed
-    net = get_peft_model(build_gpt2(), LoraConfig(r=4, target_modules=["c_attn"],
-                                                  fan_in_fan_out=True))
+    net = get_peft_model(
+        build_gpt2(), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    )
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
     return net, optimizer
 
@@ -65,7 +67,11 @@ for step, (a, b) in enumerate(read):
 for p, q in zip(net.parameters(), plain.parameters()):
     worst = max(worst, (p - q).abs().max().item())
 if worst > TOLERANCE:
-    sys.exit(f"mismatch: the traced steps differ from the raw-hook steps by {worst:.1e} "
-             f"(tolerance {TOLERANCE})")
-print(f"ok: LoRA, 2 steps: lora_A/lora_B gradients and parameters equal the raw-hook steps' "
-      f"(largest difference {worst:.1e})")
+    sys.exit(
+        f"mismatch: the traced steps differ from the raw-hook steps by {worst:.1e} "
+        f"(tolerance {TOLERANCE})"
+    )
+print(
+    f"ok: LoRA, 2 steps: lora_A/lora_B gradients and parameters equal the raw-hook steps' "
+    f"(largest difference {worst:.1e})"
+)

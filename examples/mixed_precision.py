@@ -9,6 +9,7 @@ makes the same edit, unscaling and scaling back by hand in the float16 case.
 
     python examples/mixed_precision.py
 """
+
 import sys
 
 import torch
@@ -68,8 +69,10 @@ def on_first_mlp_gradient(on_gradient):
 def check(got, expected, tolerance, what):
     difference = (got.float() - expected.float()).abs().max().item()
     if difference > tolerance:
-        sys.exit(f"mismatch: {what} differs from plain PyTorch's by {difference:.1e} "
-                 f"(tolerance {tolerance})")
+        sys.exit(
+            f"mismatch: {what} differs from plain PyTorch's by {difference:.1e} "
+            f"(tolerance {tolerance})"
+        )
 
 
 handle = on_first_mlp_gradient(unscale_clip_rescale)
@@ -90,5 +93,7 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
 check(bf16_grad, seen[1], GRAD_TOLERANCE, "bfloat16: the gradient read")
 for p, q in zip(net.parameters(), plain.parameters()):
     check(p.grad, q.grad, PARAM_TOLERANCE, "bfloat16: a parameter gradient")
-print("ok: float16 with a GradScaler and bfloat16: the gradients read, the parameters after "
-      "scaler.step and the bfloat16 parameter gradients equal plain PyTorch's")
+print(
+    "ok: float16 with a GradScaler and bfloat16: the gradients read, the parameters after "
+    "scaler.step and the bfloat16 parameter gradients equal plain PyTorch's"
+)

@@ -7,6 +7,7 @@ block's output and doubles it. At the end, the parameters are checked against a 
 
     python examples/trainer.py
 """
+
 import logging
 import sys
 import tempfile
@@ -31,21 +32,33 @@ def double_first_block(model, tr):
 
 def arguments():
     return TrainingArguments(
-        output_dir=tempfile.mkdtemp(), use_cpu=True, per_device_train_batch_size=2,
-        gradient_accumulation_steps=2, max_steps=3, optim="sgd", learning_rate=0.1,
-        train_sampling_strategy="sequential", report_to=[], save_strategy="no",
-        logging_strategy="no", disable_tqdm=True)
+        output_dir=tempfile.mkdtemp(),
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        optim="sgd",
+        learning_rate=0.1,
+        train_sampling_strategy="sequential",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
 
 
 rows = [torch.randint(0, 384, (8,), generator=torch.Generator().manual_seed(i)) for i in range(12)]
 data = [{"input_ids": ids, "labels": ids} for ids in rows]
 
-trainer = TracedTrainer(model=build_gpt2(), args=arguments(), train_dataset=data,
-                        intervention=double_first_block)
+trainer = TracedTrainer(
+    model=build_gpt2(), args=arguments(), train_dataset=data, intervention=double_first_block
+)
 trainer.train()
 for record in trainer.saved:
-    print(f"step {record.step} micro-batch {record.micro_batch}: "
-          f"h[0] gradient norm {record.value['grad'].norm():.3e}")
+    print(
+        f"step {record.step} micro-batch {record.micro_batch}: "
+        f"h[0] gradient norm {record.value['grad'].norm():.3e}"
+    )
 
 # The oracle: a plain Trainer, the edit made by a raw tensor hook.
 
@@ -76,9 +89,13 @@ edit_moved = largest_difference(oracle.parameters(), unedited.parameters())
 params_off = largest_difference(trainer.model.parameters(), oracle.parameters())
 grads_off = largest_difference([r.value["grad"] for r in trainer.saved], seen)
 if len(trainer.saved) != len(seen) or edit_moved < 1e-4 or max(params_off, grads_off) > TOLERANCE:
-    sys.exit(f"mismatch: {len(trainer.saved)} records for {len(seen)} backward passes; the "
-             f"edit moved the parameters by {edit_moved:.1e}; against the raw-hook Trainer the "
-             f"parameters differ by {params_off:.1e}, the saved gradients by {grads_off:.1e} "
-             f"(tolerance {TOLERANCE})")
-print(f"ok: Trainer, {len(seen)} micro-batches: saved gradients and parameters equal the "
-      f"raw-hook Trainer's (largest difference {max(params_off, grads_off):.1e})")
+    sys.exit(
+        f"mismatch: {len(trainer.saved)} records for {len(seen)} backward passes; the "
+        f"edit moved the parameters by {edit_moved:.1e}; against the raw-hook Trainer the "
+        f"parameters differ by {params_off:.1e}, the saved gradients by {grads_off:.1e} "
+        f"(tolerance {TOLERANCE})"
+    )
+print(
+    f"ok: Trainer, {len(seen)} micro-batches: saved gradients and parameters equal the "
+    f"raw-hook Trainer's (largest difference {max(params_off, grads_off):.1e})"
+)

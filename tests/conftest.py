@@ -6,6 +6,7 @@ built once per worker from configs (random weights, dropout off) and their param
 are cleared before each test. Tolerance: fp32, atol 1e-6 for values distgrad hands over
 unchanged, 1e-5 for parameter gradients (the same ops run in both, so they agree to rounding).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,6 +38,7 @@ def pytest_configure(config):
         for lock in EXTENSIONS.glob("**/lock"):
             lock.unlink(missing_ok=True)
 
+
 ATOL = 1e-6
 PARAM_ATOL = 1e-5
 TEXT = "The Eiffel Tower is in"
@@ -55,16 +57,27 @@ def _gpt2():
 @pytest.fixture(scope="session")
 def _llama():
     torch.manual_seed(1)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=384)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=384,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="session")
 def _mlp():
     torch.manual_seed(2)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
-                               torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 4),
+    )
 
 
 def _fresh(net):
@@ -140,6 +153,11 @@ def reference(net, inputs: dict | torch.Tensor, module, edit=None, loss_fn=None)
 
 def hook_count(net) -> int:
     """Every module hook entry PyTorch keeps (distgrad writes these dicts directly)."""
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._forward_hooks_with_kwargs)
-               + len(m._forward_pre_hooks_with_kwargs) + len(m._forward_hooks_always_called)
-               for m in net.modules())
+    return sum(
+        len(m._forward_hooks)
+        + len(m._forward_pre_hooks)
+        + len(m._forward_hooks_with_kwargs)
+        + len(m._forward_pre_hooks_with_kwargs)
+        + len(m._forward_hooks_always_called)
+        for m in net.modules()
+    )

@@ -24,6 +24,7 @@ nnsight features distgrad does not offer, whose tests are not ported:
 - ``remote=True`` (NDIF), vLLM and serving backends.
 - ``nnsight.util.WrapperModule`` and attaching modules to an envoy.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -81,11 +82,13 @@ def hooked_run(net: nn.Module, inputs, modules: dict, edits: dict | None = None)
     edits = edits or {}
     seen, handles = {}, []
     for name, module in modules.items():
+
         def hook(mod, args, out, name=name):
             if name in edits:
                 out = edits[name](out)
             seen[name] = out
             return out
+
         handles.append(module.register_forward_hook(hook))
     try:
         with torch.no_grad():

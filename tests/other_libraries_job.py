@@ -7,13 +7,14 @@ The other library is nnsight (cases ``nnsight_*``) or a small library written he
 its own ``save``, ``grad`` and ``backward`` on ``torch.Tensor`` (cases ``library_*``). Each case
 compares against plain autograd (forward hooks, retain_grad, tensor hooks) and prints OK.
 """
+
 from __future__ import annotations
 
 import sys
 
 import torch
 
-ATOL = 1e-6        # values handed over unchanged
+ATOL = 1e-6  # values handed over unchanged
 PARAM_ATOL = 1e-5  # parameter gradients
 
 
@@ -25,10 +26,12 @@ def close(got, want, atol=ATOL):
 def import_nnsight(order):
     if order == "other-first":  # importing nnsight replaces Tensor.backward and mounts .save()
         import nnsight
+
         import distgrad
     else:
-        import distgrad
         import nnsight
+
+        import distgrad
     return distgrad, nnsight
 
 
@@ -64,6 +67,7 @@ def import_library(order):
         import distgrad
     else:
         import distgrad
+
         install_library()
     return distgrad
 
@@ -72,6 +76,7 @@ def import_library(order):
 def gpt2():
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
+
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     net = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=300)).eval()
@@ -90,7 +95,9 @@ def oracle(net, ids, scale_h1=1.0):
             def on_grad(g):
                 grads[i] = g.clone()
                 return g * scale_h1 if i == 1 else g
+
             out.register_hook(on_grad)
+
         return hook
 
     for i in range(2):
@@ -183,7 +190,7 @@ def nnsight_outside(order):
     try:
         x.save()
     except distgrad.TraceStateError:
-        raise AssertionError("distgrad's error, though nnsight has a .save() of its own")
+        raise AssertionError("distgrad's error, though nnsight has a .save() of its own") from None
     except ValueError as exc:
         assert "outside a trace" in str(exc), exc
     else:
@@ -210,8 +217,7 @@ def library_numbers(order):
     assert CALLS == ["backward", "grad", "save"], CALLS
 
 
-CASES = {f.__name__: f for f in (nnsight_save, nnsight_backward, nnsight_outside,
-                                 library_numbers)}
+CASES = {f.__name__: f for f in (nnsight_save, nnsight_backward, nnsight_outside, library_numbers)}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

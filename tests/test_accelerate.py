@@ -5,16 +5,17 @@ after two optimizer steps the parameters must agree (fp32, atol 1e-5), or distgr
 Each test makes its own model (prepare marks it) and resets accelerate's process-wide state
 before and after, so that no other test in the worker sees an Accelerator.
 """
+
 import pytest
 import torch
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from conftest import PARAM_ATOL  # noqa: E402
 
 import distgrad  # noqa: E402
 from distgrad.demo.models import build_gpt2  # noqa: E402
-from conftest import PARAM_ATOL  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -26,8 +27,9 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
-BATCHES = [torch.randint(0, 384, (2, 8), generator=torch.Generator().manual_seed(i))
-           for i in range(2)]
+BATCHES = [
+    torch.randint(0, 384, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)
+]
 
 
 def _accelerate_loop(steps: int) -> dict:
@@ -121,7 +123,8 @@ def test_a_loss_scaler_is_refused_where_accelerate_runs_the_backward():
     plain_net = build_gpt2()
     seen = {}
     plain_net.transformer.h[0].register_forward_hook(
-        lambda mod, args, out: seen.setdefault("h0", out))
+        lambda mod, args, out: seen.setdefault("h0", out)
+    )
     seen_grad = torch.autograd.grad(plain_net(ids).logits.sum() * 1e-3, seen["h0"])[0]
 
     accelerator = Accelerator(cpu=True)

@@ -7,6 +7,7 @@
   returns reach DDP: inside them ``.grad`` is each rank's own (it differs between ranks and
   equals a plain copy's), after the sync step it is the average over ranks.
 """
+
 import sys
 from pathlib import Path
 
@@ -17,8 +18,11 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import case_report, read_results, run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "accelerate_loop_job.py")
-CASES = ["case_recipe_matches_raw_hooks", "case_accumulate_reaches_no_sync",
-         "case_model_no_sync_is_ddps"]
+CASES = [
+    "case_recipe_matches_raw_hooks",
+    "case_accumulate_reaches_no_sync",
+    "case_model_no_sync_is_ddps",
+]
 WORLD = 2
 
 

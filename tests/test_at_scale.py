@@ -7,6 +7,7 @@ The two nodes are two ``torchrun`` agents (``--nnodes 2 --node_rank 0|1``, 2 pro
 meeting at a local rendezvous, as on two machines: ranks 2 and 3 live on the second node, and
 rank 3 is the one that fails. Both tests start 8 or 4 processes on a 2-core machine: slow.
 """
+
 import os
 import subprocess
 import sys
@@ -30,8 +31,9 @@ def check(procs, results, what: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_eight_ranks(engine, tmp_path):
-    procs = run_ranks([JOB, "--engine", engine, "--cases", "at_scale", "--out", str(tmp_path)],
-                      8, timeout=600)
+    procs = run_ranks(
+        [JOB, "--engine", engine, "--cases", "at_scale", "--out", str(tmp_path)], 8, timeout=600
+    )
     check(procs, read_results(tmp_path, 8), f"{engine}, 8 ranks:")
 
 
@@ -41,12 +43,37 @@ def test_two_nodes_on_one_machine(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", DISTGRAD_FAILING_RANK="3")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # torchrun sets them for its workers
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-         "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
-         JOB, "--engine", "ddp", "--cases", "at_scale", "--out", str(tmp_path)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for node in range(2)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                JOB,
+                "--engine",
+                "ddp",
+                "--cases",
+                "at_scale",
+                "--out",
+                str(tmp_path),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(2)
+    ]
     done = []
     for node in nodes:
         try:

@@ -4,13 +4,14 @@ Each test runs in every body mode (conftest.backward_mode): the body as a genera
 with the backward in a greenlet (CPU), and in place with the backward in a worker thread (the
 path CUDA takes, where autograd calls hooks on its own threads).
 """
+
 import threading
 
 import pytest
 import torch
+from conftest import ATOL, PARAM_ATOL, TEXT, assert_param_grads, param_grads
 
 import distgrad
-from conftest import ATOL, PARAM_ATOL, TEXT, assert_param_grads, param_grads
 
 pytestmark = pytest.mark.usefixtures("backward_mode")
 
@@ -55,10 +56,12 @@ def test_forward_order_grad_requests_raise(gpt2, tokenizer, backward_mode):
     """The error names the value asked too late and, as its example, the order that works,
     in the model's own paths."""
     model = distgrad.wrap(gpt2, tokenizer=tokenizer)
-    with pytest.raises(distgrad.OutOfOrderError,
-                       match=r"model\.transformer\.h\[1\]\.output\.grad was requested after.*"
-                             r"\(model\.transformer\.h\[1\]\.output\.grad before "
-                             r"model\.transformer\.h\[0\]\.output\.grad\)"):
+    with pytest.raises(
+        distgrad.OutOfOrderError,
+        match=r"model\.transformer\.h\[1\]\.output\.grad was requested after.*"
+        r"\(model\.transformer\.h\[1\]\.output\.grad before "
+        r"model\.transformer\.h\[0\]\.output\.grad\)",
+    ):
         with model.trace(TEXT):
             h0 = model.transformer.h[0].output
             h1 = model.transformer.h[1].output
@@ -140,7 +143,9 @@ def test_library_hooks_see_plain_grad_during_a_block(gpt2, tokenizer):
         handle.remove()
     _, ref = _retained(gpt2, tokenizer, [])
     torch.testing.assert_close(seen[0], ref["transformer.h.1.mlp.c_fc.weight"], atol=1e-5, rtol=0)
-    torch.testing.assert_close(from_thread[0], ref["transformer.h.1.mlp.c_fc.weight"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        from_thread[0], ref["transformer.h.1.mlp.c_fc.weight"], atol=1e-5, rtol=0
+    )
 
 
 def test_retain_grad_tensors_stay_plain(mlp):
@@ -149,7 +154,7 @@ def test_retain_grad_tensors_stay_plain(mlp):
     x = torch.randn(2, 8)
     plain_h = mlp[:3](x)
     plain_out = mlp[3:](plain_h).sum()
-    expected_h_grad, = torch.autograd.grad(plain_out, plain_h, retain_graph=True)
+    (expected_h_grad,) = torch.autograd.grad(plain_out, plain_h, retain_graph=True)
     plain_out.backward()
     expected = param_grads(mlp)
     mlp.zero_grad(set_to_none=True)
@@ -164,12 +169,15 @@ def test_retain_grad_tensors_stay_plain(mlp):
     assert_param_grads(mlp, expected, atol=PARAM_ATOL)
 
 
-@pytest.mark.parametrize("bad, error, match", [
-    (lambda g: torch.zeros(3), ValueError, r"shape \[3\] instead of"),
-    (lambda g: g.double(), ValueError, "dtype torch.float64 instead of torch.float32"),
-    (lambda g: torch.zeros_like(g, device="meta"), ValueError, "device meta instead of cpu"),
-    (lambda g: 2.0, TypeError, "needs a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (lambda g: torch.zeros(3), ValueError, r"shape \[3\] instead of"),
+        (lambda g: g.double(), ValueError, "dtype torch.float64 instead of torch.float32"),
+        (lambda g: torch.zeros_like(g, device="meta"), ValueError, "device meta instead of cpu"),
+        (lambda g: 2.0, TypeError, "needs a torch.Tensor"),
+    ],
+)
 def test_bad_replacement_is_refused_by_name(gpt2, tokenizer, bad, error, match):
     model = distgrad.wrap(gpt2, tokenizer=tokenizer)
     with pytest.raises(error, match=match) as info:
@@ -201,7 +209,7 @@ def test_no_graph_means_not_implemented(gpt2, tokenizer, how):
         gpt2.requires_grad_(False)
     try:
         with pytest.raises(NotImplementedError, match="no gradient tracking"):
-            with (ctx() if ctx else torch.enable_grad()):
+            with ctx() if ctx else torch.enable_grad():
                 with model.trace(TEXT):
                     loss = model.output.logits.sum()
                     with loss.backward():

@@ -7,14 +7,15 @@ model and input, fp32, atol 1e-6 for values handed over unchanged, 1e-5 for para
 gradients; the ``backward_mode`` tests run with the backward in a greenlet and in a worker
 thread (the CUDA path).
 """
+
 import sys
 
 import pytest
 import torch
+from conftest import ATOL, PARAM_ATOL, assert_param_grads, hook_count, param_grads
 
 import distgrad
 from distgrad.interleave.session import BODIES
-from conftest import ATOL, PARAM_ATOL, assert_param_grads, hook_count, param_grads
 
 
 def _oracle(mlp, x, layers, scale=2.0):
@@ -23,11 +24,14 @@ def _oracle(mlp, x, layers, scale=2.0):
     seen = {}
     handles = []
     for i in layers:
+
         def on_output(module, args, out, i=i):
             def on_grad(g):
                 seen[i] = g.clone()
                 return g * scale
+
             out.register_hook(on_grad)
+
         handles.append(mlp[i].register_forward_hook(on_output))
     try:
         mlp(x).sum().backward()
@@ -194,6 +198,7 @@ def test_library_tensor_hooks_see_plain_grad(mlp, backward_mode):
         def library_tensor_hook(grad):
             seen.append(out.grad)
             handed.append(grad.clone())
+
         out.register_hook(library_tensor_hook)
 
     handle = mlp[2].register_forward_hook(library_forward_hook)

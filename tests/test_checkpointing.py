@@ -5,16 +5,17 @@ in the recompute) with it. With ``use_reentrant=False`` every read and edit give
 with ``use_reentrant=True`` (the block's forward runs without gradients) an edit inside the
 block and ``.grad`` of a value read there raise errors that name checkpointing.
 """
+
 import gc
 import warnings
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from conftest import ATOL, PARAM_ATOL, assert_param_grads, hook_count, param_grads
 from torch.utils.checkpoint import checkpoint
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import distgrad
-from conftest import ATOL, PARAM_ATOL, assert_param_grads, hook_count, param_grads
 
 IDS = torch.tensor([[84, 107, 104, 33, 69, 105, 102, 101]])
 
@@ -22,14 +23,23 @@ IDS = torch.tensor([[84, 107, 104, 33, 69, 105, 102, 101]])
 def _net(reentrant=None):
     """A tiny GPT-2 in train mode with dropout off; ``reentrant``: checkpoint each block."""
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=384, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        vocab_size=384,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     net = GPT2LMHeadModel(cfg).train()
     if reentrant is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             net.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+            )
     return net
 
 
@@ -39,7 +49,7 @@ def _fc(net):
 
 def _hooked(net, module, hook, pre=False):
     """Plain autograd: one forward with ``hook`` on ``module``, loss = logits.sum()."""
-    handle = (module.register_forward_pre_hook(hook) if pre else module.register_forward_hook(hook))
+    handle = module.register_forward_pre_hook(hook) if pre else module.register_forward_hook(hook)
     try:
         net(IDS).logits.sum().backward()
     finally:
@@ -130,6 +140,7 @@ def test_grad_read_and_edit_inside_a_checkpointed_block(backward_mode):
             def on_grad(g):
                 seen.setdefault("g", g.clone())
                 return g * 3
+
             out.register_hook(on_grad)
 
         expected = _hooked(net, _fc(net), on_output)
@@ -165,9 +176,12 @@ def test_reentrant_edit_raises_naming_checkpointing(backward_mode):
     net = _net(reentrant=True)
     model = distgrad.wrap(net)
     before = hook_count(net)
-    with pytest.raises(NotImplementedError, match=r"h\[0\]\.mlp\.c_fc\.output was edited inside "
-                       r"a block under gradient checkpointing with use_reentrant=True.*"
-                       r"'use_reentrant': False"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"h\[0\]\.mlp\.c_fc\.output was edited inside "
+        r"a block under gradient checkpointing with use_reentrant=True.*"
+        r"'use_reentrant': False",
+    ):
         with model.trace(IDS):
             model.transformer.h[0].mlp.c_fc.output = model.transformer.h[0].mlp.c_fc.output * 0.5
             with model.output.logits.sum().backward():
@@ -178,9 +192,12 @@ def test_reentrant_edit_raises_naming_checkpointing(backward_mode):
 
 def test_reentrant_grad_raises_naming_checkpointing(backward_mode):
     model = distgrad.wrap(_net(reentrant=True))
-    with pytest.raises(ValueError, match=r"c_fc\.output\.grad: no gradient flows into it, because "
-                       r"it was computed inside a block under gradient checkpointing with "
-                       r"use_reentrant=True.*'use_reentrant': False"):
+    with pytest.raises(
+        ValueError,
+        match=r"c_fc\.output\.grad: no gradient flows into it, because "
+        r"it was computed inside a block under gradient checkpointing with "
+        r"use_reentrant=True.*'use_reentrant': False",
+    ):
         with model.trace(IDS):
             a = model.transformer.h[0].mlp.c_fc.output
             with model.output.logits.sum().backward():
@@ -241,8 +258,11 @@ def test_second_call_of_a_module_in_a_block(backward_mode):
 def test_module_called_twice_at_one_place_raises(backward_mode):
     net = _Block(between=False)
     model = distgrad.wrap(net)
-    with pytest.raises(NotImplementedError, match=r"model\.shared\.output was edited inside a "
-                       r"block under gradient checkpointing.*more than once"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"model\.shared\.output was edited inside a "
+        r"block under gradient checkpointing.*more than once",
+    ):
         with model.trace(torch.randn(3, 4)):
             model.shared.call(0).output
             model.shared.call(1).output = model.shared.call(1).output * 2

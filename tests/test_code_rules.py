@@ -1,6 +1,7 @@
 """Rules of the code base that a reader relies on, checked on the source of distgrad/:
 every private PyTorch internal is reached through distgrad/torch_internals.py (one place to
 audit when torch changes), and no underscore name is imported from another module."""
+
 import ast
 import pathlib
 
@@ -8,17 +9,34 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "distgrad"
 
 # Private attributes of torch objects that distgrad reads or writes.
 TORCH_PRIVATE_ATTRS = {
-    "_backward_hooks", "_forward_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
-    "_register_hook_dict", "next_id", "_version", "_base", "_modules", "_get_default_store",
-    "_allgather_base", "_orig_mod", "_maybe_compute_loss", "_internal_losses",
-    "_n_microbatches", "_stage", "_stages", "__closure__", "pythonapi",
+    "_backward_hooks",
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_register_hook_dict",
+    "next_id",
+    "_version",
+    "_base",
+    "_modules",
+    "_get_default_store",
+    "_allgather_base",
+    "_orig_mod",
+    "_maybe_compute_loss",
+    "_internal_losses",
+    "_n_microbatches",
+    "_stage",
+    "_stages",
+    "__closure__",
+    "pythonapi",
 }
 
 # Hot paths that read the attribute inline, each under a comment naming its torch_internals
 # entry: a function call there would cost every read (benchmarks/bytecodes.py counts it).
 INLINE_HOT_PATHS = {
-    ("interleave/points.py", "ModulePoint.arm"), ("interleave/points.py", "ModulePoint.remove"),
-    ("interleave/session.py", "Pause.__init__"), ("interleave/session.py", "Pause.edited"),
+    ("interleave/points.py", "ModulePoint.arm"),
+    ("interleave/points.py", "ModulePoint.remove"),
+    ("interleave/session.py", "Pause.__init__"),
+    ("interleave/session.py", "Pause.edited"),
 }
 
 
@@ -34,8 +52,11 @@ def _torch_internal_uses(tree):
         if isinstance(node, ast.Attribute):
             if node.attr in TORCH_PRIVATE_ATTRS:
                 what = node.attr
-            elif (node.attr.startswith("_") and not node.attr.startswith("__")
-                  and ast.unparse(node).startswith("torch.")):
+            elif (
+                node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and ast.unparse(node).startswith("torch.")
+            ):
                 found.append((node.lineno, scope, start, ast.unparse(node)))
                 return  # (torch._C._x: one use, not two)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -81,17 +102,20 @@ def test_inline_hot_paths_name_their_entry():
         lines = path.read_text().splitlines()
         for line, scope, start, what in _torch_internal_uses(tree):
             if (_name(path), scope) in INLINE_HOT_PATHS:
-                above = "\n".join(lines[start - 1:line])
+                above = "\n".join(lines[start - 1 : line])
                 assert "torch_internals." in above, f"{_name(path)}:{line} ({scope}): {what}"
 
 
 def test_the_checks_see_what_they_look_for():
-    uses = _torch_internal_uses(ast.parse(
-        "def f(t, m):\n"
-        "    t._backward_hooks\n"
-        "    torch._C._set_grad_enabled(False)\n"
-        "    getattr(m, '_stages', None)\n"
-        "from torch.utils import _pytree\n"))
+    uses = _torch_internal_uses(
+        ast.parse(
+            "def f(t, m):\n"
+            "    t._backward_hooks\n"
+            "    torch._C._set_grad_enabled(False)\n"
+            "    getattr(m, '_stages', None)\n"
+            "from torch.utils import _pytree\n"
+        )
+    )
     assert [(line, scope) for line, scope, _, _ in uses] == [(2, "f"), (3, "f"), (4, "f"), (5, "")]
 
 
@@ -100,8 +124,11 @@ def test_no_underscore_name_is_imported_across_modules():
     for path, tree in _sources():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level > 0:
-                crossing += [f"{path.relative_to(PACKAGE)}:{node.lineno}: {alias.name}"
-                             for alias in node.names if alias.name.startswith("_")]
+                crossing += [
+                    f"{path.relative_to(PACKAGE)}:{node.lineno}: {alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_")
+                ]
     assert not crossing, "underscore names imported from other modules:\n" + "\n".join(crossing)
 
 
@@ -109,25 +136,37 @@ def test_no_underscore_name_is_read_from_another_module():
     """``from . import capture`` then ``capture._helper``: the same crossing, by attribute."""
     crossing = []
     for path, tree in _sources():
-        modules = {alias.asname or alias.name for node in ast.walk(tree)
-                   if isinstance(node, ast.ImportFrom) and node.level > 0 and not node.module
-                   for alias in node.names}
-        crossing += [f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}"
-                     for node in ast.walk(tree)
-                     if isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                     and not node.attr.startswith("__")
-                     and isinstance(node.value, ast.Name) and node.value.id in modules]
+        modules = {
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level > 0 and not node.module
+            for alias in node.names
+        }
+        crossing += [
+            f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+        ]
     assert not crossing, "underscore names read from other modules:\n" + "\n".join(crossing)
 
 
 # distgrad/demo/: which of its modules each may import. The models and the shared set-up are
 # leaves (tests and benchmarks import them without pulling a demo in); each demo takes only
 # from those; __main__ alone picks a demo.
-DEMO_LAYERS = {"models": set(), "ranks": set(),
-               "local": {"models"}, "data_parallel": {"models", "ranks"},
-               "tensor_parallel": {"models", "ranks"}, "pipeline": {"models", "ranks"},
-               "__main__": {"local", "data_parallel", "tensor_parallel", "pipeline"},
-               "__init__": set()}
+DEMO_LAYERS = {
+    "models": set(),
+    "ranks": set(),
+    "local": {"models"},
+    "data_parallel": {"models", "ranks"},
+    "tensor_parallel": {"models", "ranks"},
+    "pipeline": {"models", "ranks"},
+    "__main__": {"local", "data_parallel", "tensor_parallel", "pipeline"},
+    "__init__": set(),
+}
 
 
 def _demo_imports(tree) -> set[str]:
@@ -139,27 +178,39 @@ def _demo_imports(tree) -> set[str]:
             if node.level == 1:  # from . import x / from .x import y
                 found |= {module} if module else {alias.name for alias in node.names}
             elif module.startswith("distgrad.demo"):
-                rest = module[len("distgrad.demo"):].lstrip(".")
+                rest = module[len("distgrad.demo") :].lstrip(".")
                 found |= {rest} if rest else {alias.name for alias in node.names}
         elif isinstance(node, ast.Import):
-            found |= {alias.name[len("distgrad.demo."):] for alias in node.names
-                      if alias.name.startswith("distgrad.demo.")}
+            found |= {
+                alias.name[len("distgrad.demo.") :]
+                for alias in node.names
+                if alias.name.startswith("distgrad.demo.")
+            }
     return found
 
 
 def test_demo_imports_go_down():
     demo = PACKAGE / "demo"
     assert sorted(path.stem for path in demo.glob("*.py")) == sorted(DEMO_LAYERS)
-    upward = [f"demo/{path.name} imports {name}"
-              for path in sorted(demo.glob("*.py"))
-              for name in sorted(_demo_imports(ast.parse(path.read_text())))
-              if name not in DEMO_LAYERS[path.stem]]
+    upward = [
+        f"demo/{path.name} imports {name}"
+        for path in sorted(demo.glob("*.py"))
+        for name in sorted(_demo_imports(ast.parse(path.read_text())))
+        if name not in DEMO_LAYERS[path.stem]
+    ]
     assert not upward, "imports against distgrad/demo's layers:\n" + "\n".join(upward)
     models = ast.parse((demo / "models.py").read_text())
-    roots = {alias.name.split(".")[0] for node in ast.walk(models) if isinstance(node, ast.Import)
-             for alias in node.names}
-    roots |= {(node.module or "").split(".")[0] for node in ast.walk(models)
-              if isinstance(node, ast.ImportFrom) and node.level == 0}
+    roots = {
+        alias.name.split(".")[0]
+        for node in ast.walk(models)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    roots |= {
+        (node.module or "").split(".")[0]
+        for node in ast.walk(models)
+        if isinstance(node, ast.ImportFrom) and node.level == 0
+    }
     assert roots <= {"__future__", "logging", "torch", "transformers"}, roots
 
 
@@ -180,9 +231,13 @@ def _engine_uses(tree):
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and role(node.value) is not None:
             found.append((node.lineno, role(node.value), node.attr))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "hasattr") and node.args
-              and role(node.args[0]) is not None):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and node.args
+            and role(node.args[0]) is not None
+        ):
             found.append((node.lineno, "getattr", ast.unparse(node)))
     return found
 
@@ -195,6 +250,7 @@ def test_the_core_uses_only_what_engines_declare():
     for tensor_parallel.py, which makes its own. (What a body asks for reaches an engine's own
     run through ``requests.Requests``, the core's seam.)"""
     from distgrad.engines.base import Engine, ShardViews
+
     declared = {"engine": Engine, "views": ShardViews}
     undeclared = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -212,14 +268,19 @@ def test_the_checks_see_the_views_the_core_calls():
     """The check above finds the core's calls on ``views`` (it would pass on finding none)."""
     session = (PACKAGE / "interleave" / "session.py").read_text()
     gradients = (PACKAGE / "interleave" / "gradients.py").read_text()
-    seen = {what for source in (session, gradients)
-            for _, role, what in _engine_uses(ast.parse(source)) if role == "views"}
+    seen = {
+        what
+        for source in (session, gradients)
+        for _, role, what in _engine_uses(ast.parse(source))
+        if role == "views"
+    }
     assert {"show", "place", "show_grad", "place_grad", "source"} <= seen, seen
 
 
 def test_tensor_parallel_views_implement_what_is_declared():
     from distgrad.engines.base import ShardViews
     from distgrad.engines.tensor_parallel import TensorParallelViews
+
     declared = [name for name in vars(ShardViews) if not name.startswith("_")]
     assert issubclass(TensorParallelViews, ShardViews)
     missing = [name for name in declared if name not in vars(TensorParallelViews)]
@@ -230,8 +291,21 @@ def test_tensor_parallel_views_implement_what_is_declared():
 # ones below (at module level: a function-level import is for an optional dependency, never
 # for a distgrad module), so data flows down; and no two modules import each other in a circle.
 CORE_LAYERS = (
-    ("leaves", lambda m: m in {"config", "errors", "torch_internals", "patches", "capture",
-                               "wrappers", "cpp_backtrace"}),
+    (
+        "leaves",
+        lambda m: (
+            m
+            in {
+                "config",
+                "errors",
+                "torch_internals",
+                "patches",
+                "capture",
+                "wrappers",
+                "cpp_backtrace",
+            }
+        ),
+    ),
     ("the protocol", lambda m: m.split(".")[0] == "interleave"),
     ("what a body touches", lambda m: m in {"envoy", "backward", "gradpatch", "saving"}),
     ("engines", lambda m: m.split(".")[0] == "engines"),
@@ -255,23 +329,30 @@ def _imports_of(path, tree):
     package = list(path.relative_to(PACKAGE).parent.parts)
     known = {_module_name(p) for p in PACKAGE.rglob("*.py")}
     top = {id(node) for node in tree.body}
-    typing_only = {id(node) for block in tree.body if isinstance(block, ast.If)
-                   and ast.unparse(block.test) == "TYPE_CHECKING" for node in ast.walk(block)}
+    typing_only = {
+        id(node)
+        for block in tree.body
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in ast.walk(block)
+    }
     found = []
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
         targets = []
         if isinstance(node, ast.ImportFrom) and node.level > 0:
-            base = package[:len(package) - (node.level - 1)] + (node.module or "").split(".")
+            base = package[: len(package) - (node.level - 1)] + (node.module or "").split(".")
             base = ".".join(part for part in base if part)
             for alias in node.names:
                 sub = f"{base}.{alias.name}" if base else alias.name
                 targets.append(sub if sub in known else base or "__init__")
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                [alias.name for alias in node.names]
-            targets += [name[len("distgrad."):] for name in names if name.startswith("distgrad.")]
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [alias.name for alias in node.names]
+            )
+            targets += [name[len("distgrad.") :] for name in names if name.startswith("distgrad.")]
         found += [(node.lineno, target, id(node) in top) for target in targets]
     return found
 
@@ -294,8 +375,10 @@ def test_imports_go_down():
             elif not at_top and target != "engines.fsdp1":  # (fsdp: half a second to import)
                 wrong.append(f"{module}:{line}: imports {target} inside a function")
             elif _layer(target) > layer:
-                wrong.append(f"{module}:{line}: imports {target}, a layer above "
-                             f"({CORE_LAYERS[_layer(target)][0]})")
+                wrong.append(
+                    f"{module}:{line}: imports {target}, a layer above "
+                    f"({CORE_LAYERS[_layer(target)][0]})"
+                )
             graph.setdefault(module, set()).add(target)
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
     # no circle: repeatedly drop the modules that import nothing left
@@ -312,14 +395,30 @@ def test_imports_go_down():
 # distgrad/engines/pipeline/: which of its modules each may import, typing-only imports
 # included. The run and its parts read the engine only through adapter.py's declarations; the
 # engines build the run (schedule_run.py) and hand it themselves, so data flows down.
-PIPELINE_LAYERS = {"placement": set(), "value_stages": set(), "checks": set(), "messages": set(),
-                   "waits": set(), "body_requests": set(), "direct": set(), "threaded": set(),
-                   "adapter": {"placement"},
-                   "schedule_run": {"adapter", "body_requests", "checks", "direct", "messages",
-                                    "threaded", "value_stages", "waits"},
-                   "engine": {"adapter", "schedule_run"},
-                   "deepspeed_pipe": {"adapter", "schedule_run"},
-                   "__init__": {"adapter", "deepspeed_pipe", "engine", "schedule_run"}}
+PIPELINE_LAYERS = {
+    "placement": set(),
+    "value_stages": set(),
+    "checks": set(),
+    "messages": set(),
+    "waits": set(),
+    "body_requests": set(),
+    "direct": set(),
+    "threaded": set(),
+    "adapter": {"placement"},
+    "schedule_run": {
+        "adapter",
+        "body_requests",
+        "checks",
+        "direct",
+        "messages",
+        "threaded",
+        "value_stages",
+        "waits",
+    },
+    "engine": {"adapter", "schedule_run"},
+    "deepspeed_pipe": {"adapter", "schedule_run"},
+    "__init__": {"adapter", "deepspeed_pipe", "engine", "schedule_run"},
+}
 
 
 def test_pipeline_imports_go_down():
@@ -330,6 +429,8 @@ def test_pipeline_imports_go_down():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 names = {node.module} if node.module else {a.name for a in node.names}
-                upward += [f"engines/pipeline/{path.name} imports {name}"
-                           for name in sorted(names - PIPELINE_LAYERS[path.stem])]
+                upward += [
+                    f"engines/pipeline/{path.name} imports {name}"
+                    for name in sorted(names - PIPELINE_LAYERS[path.stem])
+                ]
     assert not upward, "imports against engines/pipeline's layers:\n" + "\n".join(upward)

@@ -6,17 +6,18 @@ weights (tests/wrapped_steps.py). A trace of a compiled model runs its eager cod
 values, 1e-5 for parameter gradients); steps outside traces run the compiled graph and agree to
 rounding (1e-5).
 """
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from conftest import PARAM_ATOL, hook_count, param_grads
+from wrapped_steps import IDS, assert_close, assert_grads, plain_step, traced_step
 
 import distgrad
 from distgrad.demo.models import build_gpt2
-from conftest import PARAM_ATOL, hook_count, param_grads
-from wrapped_steps import IDS, assert_close, assert_grads, plain_step, traced_step
 
 
 class CountingBackend:
@@ -34,6 +35,7 @@ class CountingBackend:
         def run(*args):
             self.runs += 1
             return graph(*args)
+
         return run
 
 
@@ -56,8 +58,9 @@ def _compiled(how: str, backend):
     return net, net
 
 
-@pytest.fixture(scope="module", params=["eager", "aot_eager",
-                                        pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.fixture(
+    scope="module", params=["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+)
 def compile_backend(request):
     """eager and aot_eager run dynamo and AOTAutograd without code generation; inductor
     generates C++ (a compiler is needed; minutes on a small machine)."""
@@ -117,14 +120,14 @@ def test_traces_run_eager_and_steps_outside_stay_compiled(how, backward_mode):
         logits = model.output.logits
     assert counting.runs == runs  # the trace ran eager
     compiled(IDS)
-    assert counting.runs > runs   # and the compiled graph is back outside it
+    assert counting.runs > runs  # and the compiled graph is back outside it
     runs = counting.runs
     with pytest.raises(ZeroDivisionError):
         with model.trace(IDS):
             h = model.transformer.h[0].output
             1 / 0
     compiled(IDS)
-    assert counting.runs > runs   # an error in the body leaves nothing forced either
+    assert counting.runs > runs  # an error in the body leaves nothing forced either
     assert hook_count(net) == 0
 
 
@@ -159,8 +162,9 @@ def test_compiled_ddp_is_driven_by_the_ddp_engine(tmp_path):
 
     from distgrad.engines.ddp import DDPEngine
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     try:
         net = build_gpt2()
         eager = copy.deepcopy(net)

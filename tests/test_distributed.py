@@ -4,6 +4,7 @@ Each engine runs every case in one job and one process group (start-up is the ex
 tests/dist/job.py; this file starts the job once per engine and reports each case. The oracle
 is one process with plain autograd on the global batch, computed inside the job.
 """
+
 import sys
 import time
 from pathlib import Path
@@ -14,17 +15,36 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import ENGINES, case_report, read_results, run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "job.py")
-CASES = ["case_wrapper_names", "case_generate_result", "case_read_edit", "case_saves", "case_steady_saves", "case_gather_memory", "case_uneven", "case_watch_only_in_traces",
-         "case_param_write",
-         "case_rank_dependent_save", "case_different_values_saved", "case_no_cycles", "case_param_grad_save",
-         "case_flow", "case_invokes",
-         "case_failure"]
+CASES = [
+    "case_wrapper_names",
+    "case_generate_result",
+    "case_read_edit",
+    "case_saves",
+    "case_steady_saves",
+    "case_gather_memory",
+    "case_uneven",
+    "case_watch_only_in_traces",
+    "case_param_write",
+    "case_rank_dependent_save",
+    "case_different_values_saved",
+    "case_no_cycles",
+    "case_param_grad_save",
+    "case_flow",
+    "case_invokes",
+    "case_failure",
+]
 WORLD = 2
 # one engine's own cases (job.py's ENGINE_CASES), run by its "all" job before case_failure
-DDP_BACKWARDS = ["case_two_backward_blocks_in_no_sync", "case_two_backward_blocks_refused",
-                 "case_plain_backward_then_block_refused"]
-ENGINE_CASES = {"ddp": DDP_BACKWARDS, "accelerate": DDP_BACKWARDS,
-                "fsdp1": ["case_flow_refuses_flat_params"]}
+DDP_BACKWARDS = [
+    "case_two_backward_blocks_in_no_sync",
+    "case_two_backward_blocks_refused",
+    "case_plain_backward_then_block_refused",
+]
+ENGINE_CASES = {
+    "ddp": DDP_BACKWARDS,
+    "accelerate": DDP_BACKWARDS,
+    "fsdp1": ["case_flow_refuses_flat_params"],
+}
 
 
 def _job(engine, cases, tmp_path_factory, world=WORLD):
@@ -40,7 +60,9 @@ def check_case(engine, procs, results, case):
     assert not report, f"{engine} {case}:\n{report}"
     if not any("job ended" in result for result in results):
         for rank, (proc, result) in enumerate(zip(procs, results)):
-            assert proc.returncode == 0, f"{engine} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+            assert proc.returncode == 0, (
+                f"{engine} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+            )
             assert "teardown" not in result, result.get("teardown")
 
 
@@ -93,16 +115,27 @@ def test_killed_rank_is_reported(engine, tmp_path_factory):
     assert results[0].get("case_killed") == "ok", results[0]
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow),
-                                    pytest.param("zero3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "ddp",
+        "fsdp2",
+        pytest.param("fsdp1", marks=pytest.mark.slow),
+        pytest.param("zero3", marks=pytest.mark.slow),
+    ],
+)
 def test_rank_dependent_param_grad(engine, tmp_path_factory):
     """`if rank == 0: model.<path>.weight.grad` inside the trace: under DDP a local read that
     works; under FSDP and ZeRO a collective rank 1 never makes, so rank 0 raises TraceStateError
     (instead of waiting until gloo's timeout, or gloo aborting rank 1) and rank 1 hears of it."""
     procs, results = _job(engine, "rank_dependent_param_grad", tmp_path_factory)
     for rank, (proc, result) in enumerate(zip(procs, results)):
-        assert proc.returncode == 0, f"{engine} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
-        assert result.get("case_rank_dependent_param_grad") == "ok", f"{engine} rank {rank}:\n{result}"
+        assert proc.returncode == 0, (
+            f"{engine} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+        )
+        assert result.get("case_rank_dependent_param_grad") == "ok", (
+            f"{engine} rank {rank}:\n{result}"
+        )
 
 
 def test_a_collective_given_up_on_does_not_abort_the_exit(tmp_path_factory, monkeypatch):

@@ -2,6 +2,7 @@
 error for the same mistake is also an instance of that builtin (and stays an instance of
 distgrad's own class). nnsight's type for each case is noted beside it (checked by running
 the same code under ``nnsight.LanguageModel``)."""
+
 import pytest
 import torch
 
@@ -54,8 +55,10 @@ def test_trace_usage_errors_are_value_errors(mlp):
 
     cases = {
         nested_invoke: "an invoke cannot be opened inside another invoke's body",
-        no_inputs: "has no inputs", read_without_inputs: "has no inputs",
-        inputs_and_invoke: "already has inputs", read_outside_a_trace: r"model\[0\].output can only",
+        no_inputs: "has no inputs",
+        read_without_inputs: "has no inputs",
+        inputs_and_invoke: "already has inputs",
+        read_outside_a_trace: r"model\[0\].output can only",
         save_outside_a_trace: "called outside a trace",
         read_beside_the_invokes: "inside the `with tracer.invoke",
     }
@@ -102,8 +105,11 @@ def test_gradient_errors_are_value_and_runtime_errors(mlp):
             with model.output.sum().backward():
                 x.grad
 
-    for fn, message in {wrong_shape: "shape", wrong_dtype: "dtype",
-                        no_grad_flows: "does not require grad"}.items():
+    for fn, message in {
+        wrong_shape: "shape",
+        wrong_dtype: "dtype",
+        no_grad_flows: "does not require grad",
+    }.items():
         error = _raised(fn)
         assert isinstance(error, distgrad.GradientError), fn.__name__
         assert isinstance(error, ValueError) and isinstance(error, RuntimeError), fn.__name__

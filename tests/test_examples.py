@@ -8,6 +8,7 @@ All the runs start together, once per module (most of each one's time is importi
 transformers, on one thread), and each test reads its own run's outcome (so selecting one
 test still runs them all).
 """
+
 import os
 import subprocess
 import sys
@@ -36,9 +37,17 @@ def outcomes():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ranks = ThreadPoolExecutor(1)
     two_ranks = ranks.submit(run_ranks, [str(ACCELERATE_LOOP)], 2)
-    running = {path.name: subprocess.Popen([sys.executable, str(path)], cwd=ROOT, env=env,
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                           text=True) for path in EXAMPLES}
+    running = {
+        path.name: subprocess.Popen(
+            [sys.executable, str(path)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for path in EXAMPLES
+    }
     deadline = time.monotonic() + 300
     done = {}
     for name, proc in running.items():
@@ -73,6 +82,7 @@ def test_accelerate_loop_on_two_ranks(outcomes):
 def test_every_example_is_shown_in_the_recipes_page():
     page = (ROOT / "docs" / "recipes.rst").read_text()
     assert EXAMPLES, "no examples/*.py found"
-    missing = [path.name for path in EXAMPLES
-               if f".. literalinclude:: ../examples/{path.name}" not in page]
+    missing = [
+        path.name for path in EXAMPLES if f".. literalinclude:: ../examples/{path.name}" not in page
+    ]
     assert not missing, f"docs/recipes.rst shows no literalinclude of {missing}"

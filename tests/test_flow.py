@@ -2,6 +2,7 @@
 JSON file, the table and the picture. The 2-rank DDP job is dist/flow_job.py.
 
 Tolerance: norms are fp32 sums of squares, compared relatively (rtol 1e-5)."""
+
 import json
 import math
 import subprocess
@@ -17,6 +18,7 @@ from distgrad.demo.models import build_gpt2
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from flow_job import raw_norms  # noqa: E402
+
 from launch import case_report, read_results, run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "flow_job.py")
@@ -53,7 +55,9 @@ def test_norms_match_raw_hooks(gpt2, backward_mode):
     for record, micro in zip(flow.run.steps, steps):
         acts, params = raw_norms(oracle, micro, edit=2.0, scale=SCALE)
         torch.testing.assert_close(torch.tensor(record["activation"][0]), acts, rtol=RTOL, atol=0)
-        torch.testing.assert_close(torch.tensor(record["activation_global"]), acts, rtol=RTOL, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(record["activation_global"]), acts, rtol=RTOL, atol=0
+        )
         torch.testing.assert_close(torch.tensor(record["param_global"]), params, rtol=RTOL, atol=0)
         torch.testing.assert_close(torch.tensor(record["param"][0]), params, rtol=RTOL, atol=0)
         oracle.zero_grad(set_to_none=True)
@@ -93,10 +97,15 @@ def test_wrong_layers_are_refused(gpt2):
 def synthetic(ranks: int, scales: list[float]) -> distgrad.flow.FlowRun:
     run = distgrad.flow.FlowRun(["h.0", "h.1"], ranks, "ddp")
     for step in range(3):
-        acts = [[scales[r] * (1 + 0.1 * step) * (layer + 1) for layer in range(2)] for r in range(ranks)]
-        run.add(activation=acts,
-                activation_global=[math.sqrt(sum(a[i] ** 2 for a in acts)) for i in range(2)],
-                param=[[1.0, 2.0]] * ranks, param_global=[1.0, 2.0])
+        acts = [
+            [scales[r] * (1 + 0.1 * step) * (layer + 1) for layer in range(2)] for r in range(ranks)
+        ]
+        run.add(
+            activation=acts,
+            activation_global=[math.sqrt(sum(a[i] ** 2 for a in acts)) for i in range(2)],
+            param=[[1.0, 2.0]] * ranks,
+            param_global=[1.0, 2.0],
+        )
     return run
 
 
@@ -126,8 +135,13 @@ def test_json_keeps_non_finite_values(tmp_path):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "distgrad.flow", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "distgrad.flow", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp2"])
@@ -143,7 +157,9 @@ def test_on_two_ranks(flow_job, case):
     report = case_report(procs, results, case)
     assert not report, f"{engine} {case}:\n{report}"
     for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"{engine} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+        assert proc.returncode == 0, (
+            f"{engine} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+        )
 
 
 def test_cli_prints_a_table_and_draws_a_png(flow_job, tmp_path):

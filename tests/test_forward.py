@@ -1,16 +1,19 @@
 """Forward values: reads, edits, inputs, repeated modules, paths, and their errors."""
+
 import pytest
 import torch
+from conftest import ATOL, TEXT
 
 import distgrad
-from conftest import ATOL, TEXT
 
 # every read and edit in every body mode (generator, in place, in place with a threaded backward)
 pytestmark = pytest.mark.usefixtures("backward_mode")
 
 
 def _enc(tokenizer, text=TEXT):
-    return dict(tokenizer([text] if isinstance(text, str) else text, return_tensors="pt", padding=True))
+    return dict(
+        tokenizer([text] if isinstance(text, str) else text, return_tensors="pt", padding=True)
+    )
 
 
 def _plain_output(net, module, inputs, edit=None):
@@ -122,8 +125,9 @@ def test_repeated_calls_and_module_dict():
     with model.trace(x):
         model.layer.call(1).output = torch.zeros(2, 4)
         a_out, b_out = model.output
-    torch.testing.assert_close(b_out, net.heads["b"](torch.relu(net.layer(torch.zeros(2, 4)))),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        b_out, net.heads["b"](torch.relu(net.layer(torch.zeros(2, 4)))), atol=ATOL, rtol=0
+    )
 
 
 class _Pair(torch.nn.Module):
@@ -155,7 +159,7 @@ def test_enclosing_outputs_of_a_module_shared_by_two_parents():
     net, x = _SharedTwice(), torch.randn(2, 4)
     model = distgrad.wrap(net)
     with model.trace(x):
-        model.A[0].x.output                      # hooks A[0] (the shared block), A, the root
+        model.A[0].x.output  # hooks A[0] (the shared block), A, the root
         y1 = model.B[0].y.call(1).output.save()  # y's second call, inside B
         b = model.B.output.save()
     with torch.no_grad():

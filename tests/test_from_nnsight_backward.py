@@ -4,12 +4,13 @@ test_from_nnsight_lm_backward.py).
 Every gradient is checked against plain autograd on the same weights (``torch.autograd.grad``,
 tensor hooks, ``retain_grad``), fp32, atol 1e-6 (1e-5 for parameter gradients).
 """
+
 import pytest
 import torch
-
-import distgrad
 from conftest import PARAM_ATOL
 from nnsight_port import assert_close, mlp, mlp_fc1_grad
+
+import distgrad
 
 # both backward modes: the run in a greenlet, the backward in a worker thread
 pytestmark = pytest.mark.usefixtures("backward_mode")
@@ -21,6 +22,7 @@ def x():
 
 
 # --- tests/test_backward.py ----------------------------------------------------------------
+
 
 def test_grad_matches_reference(x):
     """test_backward.py::TestBackward::test_grad_matches_reference"""

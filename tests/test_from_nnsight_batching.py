@@ -6,11 +6,12 @@ prompt alone at its own positions (forward hooks), fp32, atol 1e-6 (1e-5 where a
 rows changes the summation order). Barrier, cache, skip, iter and pipe tests are not ported
 (see nnsight_port.py).
 """
+
 import pytest
 import torch
+from nnsight_port import ET, MSG, assert_close, encode, hooked_run, mlp
 
 import distgrad
-from nnsight_port import ET, MSG, assert_close, encode, hooked_run, mlp
 
 P1 = "the cat sat"
 P2 = "a much longer prompt appears here"
@@ -36,7 +37,7 @@ def test_batched_matches_solo_logits(gpt2, tokenizer, model):
     # so a shorter prompt's own tokens sit at its first positions, not at the end
     solo1, solo2 = logits_of(gpt2, tokenizer, P1), logits_of(gpt2, tokenizer, P2)
     assert b1.shape[1] == b2.shape[1] == solo2.shape[1]
-    assert_close(b1[:, :solo1.shape[1]], solo1, atol=1e-5)
+    assert_close(b1[:, : solo1.shape[1]], solo1, atol=1e-5)
     assert_close(b2, solo2, atol=1e-5)
 
 
@@ -74,8 +75,9 @@ def test_edit_changes_only_its_prediction(gpt2, tokenizer, model):
         with tracer.invoke(P1):
             intact = model.output.logits[0, -1].save()
     base = logits_of(gpt2, tokenizer, P1)[0, -1]
-    _, edited = hooked_run(gpt2, encode(tokenizer, P1), {"wte": gpt2.transformer.wte},
-                           edits={"wte": torch.zeros_like})
+    _, edited = hooked_run(
+        gpt2, encode(tokenizer, P1), {"wte": gpt2.transformer.wte}, edits={"wte": torch.zeros_like}
+    )
     assert not torch.allclose(zeroed, base, atol=1e-3)
     assert_close(zeroed, edited.logits[0, -1], atol=1e-5)
     assert_close(intact, base, atol=1e-5)
@@ -174,8 +176,11 @@ def test_crossed_value_is_the_earlier_invokes_rows(gpt2, tokenizer, model):
         with tracer.invoke([MSG, ET]):
             mine = model.transformer.h[1].output.save()
             crossed = first.clone().save()
-    seen, _ = hooked_run(gpt2, encode(tokenizer, [ET, MSG, ET]),
-                         {"h0": gpt2.transformer.h[0], "h1": gpt2.transformer.h[1]})
+    seen, _ = hooked_run(
+        gpt2,
+        encode(tokenizer, [ET, MSG, ET]),
+        {"h0": gpt2.transformer.h[0], "h1": gpt2.transformer.h[1]},
+    )
     assert_close(crossed, seen["h0"][:1])
     assert_close(mine, seen["h1"][1:])
 
@@ -279,7 +284,7 @@ def test_ragged_token_id_invokes(gpt2, tokenizer, model):
             a = model.lm_head.output.save()
         with tracer.invoke(ids_b):
             b = model.lm_head.output.save()
-    assert_close(a[:, :ids_a.shape[1]], logits_of(gpt2, tokenizer, ET), atol=1e-5)
+    assert_close(a[:, : ids_a.shape[1]], logits_of(gpt2, tokenizer, ET), atol=1e-5)
     assert_close(b, logits_of(gpt2, tokenizer, MSG), atol=1e-5)
 
 

@@ -6,6 +6,7 @@ Not ported, as distgrad has no such envoy API: ``get``, ``modules()``/``named_mo
 envoys (they reach the module's own), ``rename=``, ``traceable``, ``tracer_cls=``,
 ``trace=False``, ``devices``/``to()`` returning the envoy, deprecated ``iter``/``all`` aliases.
 """
+
 import pytest
 import torch
 from torch import nn
@@ -177,8 +178,9 @@ def test_modifications_are_independent(module, x):
             edited = w1.output.save()
         with w2.trace(x):
             clean = w2.output.save()
-        expected_edited = module.head(module.layers[2](module.layers[1](module.layers[0](
-            torch.zeros(2, 8)))))
+        expected_edited = module.head(
+            module.layers[2](module.layers[1](module.layers[0](torch.zeros(2, 8))))
+        )
         expected = module(x)
     assert torch.equal(edited, expected_edited)
     assert torch.equal(clean, expected)

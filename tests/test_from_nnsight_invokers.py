@@ -5,11 +5,12 @@ Each invoke's rows are checked against plain PyTorch on its prompt alone, at its
 (forward hooks; the batch is right-padded, the tokenizer's side), fp32, atol 1e-5 (a batch of
 other rows changes the summation order), and the whole batch against the invokes' rows joined.
 """
+
 import pytest
 import torch
+from nnsight_port import ET, MSG, assert_close, encode, hooked_run
 
 import distgrad
-from nnsight_port import ET, MSG, assert_close, encode, hooked_run
 
 
 @pytest.fixture
@@ -41,10 +42,15 @@ def test_mixed_formats_batch_together(gpt2, tokenizer, model):
             whole = model.lm_head.output.save()
     assert whole.shape[0] == 5 and [t.shape[0] for t in (a, b, c, d)] == [1, 1, 1, 2]
     assert torch.equal(torch.cat([a, b, c, d]), whole)
-    for rows, text in ((a, MSG), (b, "the quick brown fox"), (c, ET), (d[:1], "a b c"),
-                       (d[1:], "d e")):
+    for rows, text in (
+        (a, MSG),
+        (b, "the quick brown fox"),
+        (c, ET),
+        (d[:1], "a b c"),
+        (d[1:], "d e"),
+    ):
         expected = solo(gpt2, tokenizer, text)
-        assert_close(rows[:, :expected.shape[1]], expected, atol=1e-5)
+        assert_close(rows[:, : expected.shape[1]], expected, atol=1e-5)
 
 
 def test_mixed_formats_with_an_edit(gpt2, tokenizer, model):
@@ -61,13 +67,14 @@ def test_mixed_formats_with_an_edit(gpt2, tokenizer, model):
             whole = model.lm_head.output.save()
     h0 = gpt2.transformer.h[0]
     _, edited = hooked_run(gpt2, encode(tokenizer, ET), {"h": h0}, {"h": lambda out: out * 0})
-    assert_close(a[:, :solo(gpt2, tokenizer, MSG).shape[1]], solo(gpt2, tokenizer, MSG), atol=1e-5)
-    assert_close(b[:, :edited.logits.shape[1]], edited.logits, atol=1e-5)
+    assert_close(a[:, : solo(gpt2, tokenizer, MSG).shape[1]], solo(gpt2, tokenizer, MSG), atol=1e-5)
+    assert_close(b[:, : edited.logits.shape[1]], edited.logits, atol=1e-5)
     assert torch.equal(whole, torch.cat([a, b]))
 
 
 def test_helpers_do_not_share_each_others_names(gpt2, tokenizer, model):
     """test_batching.py::TestInvokeFromHelper::test_helpers_do_not_share_each_others_names"""
+
     def binds(tracer):
         with tracer.invoke(ET):
             secret = model.transformer.h[0].output.sum()  # noqa: F841
@@ -91,6 +98,7 @@ def test_helpers_do_not_share_each_others_names(gpt2, tokenizer, model):
 
 def test_invoke_opened_in_helper(gpt2, tokenizer, model):
     """test_batching.py::TestInvokeFromHelper::test_invoke_opened_in_helper"""
+
     def invoke(tracer, prompt, key, outs):
         with tracer.invoke(prompt):
             outs[key] = model.transformer.h[0].output.save()
@@ -104,11 +112,12 @@ def test_invoke_opened_in_helper(gpt2, tokenizer, model):
     for key, text in (("a", ET), ("b", MSG)):
         expected = solo(gpt2, tokenizer, text, h0)
         assert outs[key].shape[0] == 1
-        assert_close(outs[key][:, :expected.shape[1]], expected, atol=1e-5)
+        assert_close(outs[key][:, : expected.shape[1]], expected, atol=1e-5)
 
 
 def test_helper_called_inside_invoke_sees_its_rows(gpt2, tokenizer, model):
     """test_batching.py::TestInvokeFromHelper::test_helper_called_inside_invoke_sees_its_rows"""
+
     def read(layer):
         return model.transformer.h[layer].output.save()
 
@@ -125,6 +134,7 @@ def test_helper_called_inside_invoke_sees_its_rows(gpt2, tokenizer, model):
 
 def test_empty_invoke_opened_in_helper(gpt2, tokenizer, model):
     """test_batching.py::TestInvokeFromHelper::test_empty_invoke_opened_in_helper"""
+
     def whole_batch(tracer, sink):
         with tracer.invoke():
             sink["logits"] = model.lm_head.output[:, -1].save()

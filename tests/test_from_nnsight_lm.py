@@ -7,11 +7,12 @@ returns a tensor, so nnsight's ``h[i].output[0]`` (the hidden states of a tuple)
 ``h[i].output`` here. Scan, source, skip, iter, cache and edit tests are not ported (see
 nnsight_port.py).
 """
+
 import pytest
 import torch
+from nnsight_port import MSG, assert_close, encode, hooked_run
 
 import distgrad
-from nnsight_port import MSG, assert_close, encode, hooked_run
 
 GREEDY = dict(max_new_tokens=3, do_sample=False)
 
@@ -69,8 +70,11 @@ def test_save(gpt2, tokenizer, model):
     with model.generate("Hello world", **GREEDY):
         hs_input = model.transformer.h[-1].input.save()
         hs = model.transformer.h[-1].output.save()
-    seen, _ = hooked_run(gpt2, encode(tokenizer, "Hello world"),
-                         {"h0": gpt2.transformer.h[0], "h1": gpt2.transformer.h[-1]})
+    seen, _ = hooked_run(
+        gpt2,
+        encode(tokenizer, "Hello world"),
+        {"h0": gpt2.transformer.h[0], "h1": gpt2.transformer.h[-1]},
+    )
     assert hs.ndim == 3 and hs_input.ndim == 3
     assert_close(hs_input, seen["h0"])  # the last block's input is the first block's output
     assert_close(hs, seen["h1"])
@@ -99,8 +103,9 @@ def test_set(gpt2, tokenizer, model, style):
         output = tracer.result.save()
     assert not (pre == 0).all().item()
     assert (post == 0).all().item()
-    seen, out = hooked_run(gpt2, encode(tokenizer, MSG), {"m": module, "head": gpt2.lm_head},
-                           edits={"m": zero})
+    seen, out = hooked_run(
+        gpt2, encode(tokenizer, MSG), {"m": module, "head": gpt2.lm_head}, edits={"m": zero}
+    )
     # generate computes the head at the last position only (transformers' logits_to_keep)
     assert_close(logits, seen["head"][:, -1:])
     assert torch.equal(output, plain_generate(gpt2, tokenizer, MSG, module, zero))
@@ -158,8 +163,9 @@ def test_embeddings_set2(gpt2, tokenizer, model):
     assert torch.equal(output1, plain_generate(gpt2, tokenizer, MSG))
     # MSG's embeddings at the first step: the continuation is MSG's own
     assert torch.equal(output2[:, prompt:], output1[:, prompt:])
-    expected = plain_generate(gpt2, tokenizer, underscores, gpt2.transformer.wte,
-                              lambda out: embeddings)
+    expected = plain_generate(
+        gpt2, tokenizer, underscores, gpt2.transformer.wte, lambda out: embeddings
+    )
     assert torch.equal(output2, expected)
 
 
@@ -188,8 +194,9 @@ def test_conditional_interventions(gpt2, tokenizer, model):
         output = model.transformer.h[-1].output.save()
         logits = model.output.logits.save()
     assert torch.all(output == 0)
-    seen, plain = hooked_run(gpt2, encode(tokenizer, "Hello World"), {"h": gpt2.transformer.h[-1]},
-                             edits={"h": zero})
+    seen, plain = hooked_run(
+        gpt2, encode(tokenizer, "Hello World"), {"h": gpt2.transformer.h[-1]}, edits={"h": zero}
+    )
     assert_close(logits, plain.logits)
 
 

@@ -5,12 +5,13 @@ MLP ones of test_backward.py are in test_from_nnsight_backward.py).
 Every gradient is checked against plain autograd on the same weights (``torch.autograd.grad``,
 tensor hooks, ``retain_grad``), fp32, atol 1e-6 (1e-5 for parameter gradients).
 """
+
 import pytest
 import torch
-
-import distgrad
 from conftest import PARAM_ATOL, reference
 from nnsight_port import assert_close, encode, hooked_run
+
+import distgrad
 
 # both backward modes: the run in a greenlet, the backward in a worker thread
 pytestmark = pytest.mark.usefixtures("backward_mode")
@@ -20,6 +21,7 @@ PROMPT_B = "Madison Square Garden is located in"
 
 
 # --- tests/test_backward_batching.py and test_backward_errors.py (GPT-2) -------------------
+
 
 def _single_grad(gpt2, tokenizer, prompt, module=lambda net: net.transformer.h[-1]):
     inputs = encode(tokenizer, prompt)
@@ -69,8 +71,12 @@ def test_attribution_patching(gpt2, tokenizer):
             with metric.backward():
                 attr = hs.grad.save()
     batch = encode(tokenizer, prompts)
-    _, expected, _ = reference(gpt2, batch, gpt2.transformer.h[1],
-                               loss_fn=lambda logits: logits[1, -1, paris] - logits[1, -1, rome])
+    _, expected, _ = reference(
+        gpt2,
+        batch,
+        gpt2.transformer.h[1],
+        loss_fn=lambda logits: logits[1, -1, paris] - logits[1, -1, rome],
+    )
     assert_close(attr, expected[1:])
 
 
@@ -175,8 +181,12 @@ def test_normal_swap_unaffected(gpt2, tokenizer):
         with tracer.invoke("World"):
             model.transformer.h[-1].output = model.transformer.h[-1].output * 2
             logits = model.lm_head.output.save()
-    _, expected = hooked_run(gpt2, encode(tokenizer, "World"), {"h": gpt2.transformer.h[-1]},
-                             edits={"h": lambda out: out * 2})
+    _, expected = hooked_run(
+        gpt2,
+        encode(tokenizer, "World"),
+        {"h": gpt2.transformer.h[-1]},
+        edits={"h": lambda out: out * 2},
+    )
     assert_close(logits, expected.logits)
 
 
@@ -197,10 +207,11 @@ def test_retain_graph_across_invokes(gpt2, tokenizer, count):
     _, expected, _ = reference(gpt2, batch, gpt2.transformer.h[1].attn.c_proj)
     for index, grad in enumerate(grads):
         # rows padded on the right: the pad positions' gradients are part of the batch's too
-        assert_close(grad, expected[index:index + 1])
+        assert_close(grad, expected[index : index + 1])
 
 
 # --- tests/test_lm.py gradients --------------------------------------------------------------
+
 
 def test_retain_grad(gpt2, tokenizer):
     """test_lm.py::test_retain_grad: ``retain_grad()`` and a plain ``.backward()`` in the body."""
@@ -246,8 +257,9 @@ def test_grad(gpt2, tokenizer):
                 hidden_states_2grad = hidden_states.grad.save()
     assert (hidden_states_2grad == 0).all().item()
     got = {n: p.grad.clone() for n, p in gpt2.named_parameters() if p.grad is not None}
-    _, _, expected = reference(gpt2, encode(tokenizer, "Hello World"), gpt2.transformer.h[-1],
-                               edit=torch.zeros_like)
+    _, _, expected = reference(
+        gpt2, encode(tokenizer, "Hello World"), gpt2.transformer.h[-1], edit=torch.zeros_like
+    )
     assert got.keys() == expected.keys()
     for name in expected:
         assert_close(got[name], expected[name], atol=PARAM_ATOL)

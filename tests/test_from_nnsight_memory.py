@@ -3,14 +3,15 @@ types its tests expect, ported to the tiny model of nnsight_port.py and the tiny
 
 Values are checked against plain PyTorch on the same weights, fp32, atol 1e-6.
 """
+
 import gc
 import weakref
 
 import pytest
 import torch
+from nnsight_port import assert_close, tiny, tiny_input
 
 import distgrad
-from nnsight_port import assert_close, tiny, tiny_input
 
 
 @pytest.fixture
@@ -32,6 +33,7 @@ def _traced(x, body):
 def test_model_freed_after_trace_and_delete(x):
     """test_memory_cleanup::TestModelCleanup::test_model_freed_after_trace_and_delete and
     ::test_layer_freed_after_model_delete"""
+
     def make():
         net = tiny()
         refs = [weakref.ref(net), weakref.ref(net.layer1), weakref.ref(net.layer2)]
@@ -40,6 +42,7 @@ def test_model_freed_after_trace_and_delete(x):
             with model.trace(x):
                 model.layer2.output.save()
         return refs
+
     refs = make()
     gc.collect()
     assert all(ref() is None for ref in refs)
@@ -87,11 +90,13 @@ def test_only_saved_objects_are_tensors(x):
 def test_unsaved_values_not_retained(x):
     """test_memory_cleanup::TestUnsavedObjectCleanup::test_unsaved_intermediate_not_retained and
     ::test_unsaved_clones_not_retained: what the body dropped dies with the trace."""
+
     def body(model, tracer):
         clone = model.layer1.output.clone()
         ref = weakref.ref(clone)
         del clone
         return [ref, weakref.ref(model.output.save())]
+
     refs = _traced(x, body)
     gc.collect()
     assert all(ref() is None for ref in refs)
@@ -101,9 +106,11 @@ def test_unsaved_values_not_retained(x):
 def test_saved_tensors_freed_on_delete(x, count):
     """test_memory_cleanup::TestSavedObjectCleanup::test_saved_tensor_freed_on_delete,
     ::test_multiple_saved_tensors_freed_independently and ::test_saved_tensor_in_list_freed"""
+
     def body(model, tracer):
         saved = [model.layer1.output.save(), model.layer2.output.save()][-count:]
         return [weakref.ref(t) for t in saved]
+
     refs = _traced(x, body)
     gc.collect()
     assert len(refs) == count and all(ref() is None for ref in refs)
@@ -113,11 +120,13 @@ def test_saved_tensors_freed_on_delete(x, count):
 def test_tracer_freed_after_trace(x, edit):
     """test_memory_cleanup::TestTracerCleanup::test_tracer_freed_after_trace,
     ::test_tracer_no_reference_to_saved_tensors and ::test_tracer_freed_with_modifications"""
+
     def body(model, tracer):
         if edit:
             model.layer1.output[:] = 0
         saved = model.layer2.output.save()
         return [weakref.ref(tracer), weakref.ref(saved)]
+
     refs = _traced(x, body)
     gc.collect()
     assert all(ref() is None for ref in refs)
@@ -125,6 +134,7 @@ def test_tracer_freed_after_trace(x, edit):
 
 def test_multiple_tracers_freed(x):
     """test_memory_cleanup::TestTracerCleanup::test_multiple_tracers_freed"""
+
     def make():
         model = distgrad.wrap(tiny())
         refs = []
@@ -134,6 +144,7 @@ def test_multiple_tracers_freed(x):
                     model.output.save()
                     refs.append(weakref.ref(tracer))
         return refs
+
     refs = make()
     gc.collect()
     assert all(ref() is None for ref in refs)
@@ -142,6 +153,7 @@ def test_multiple_tracers_freed(x):
 def test_wrapper_freed_with_model(x):
     """test_memory_cleanup::TestInterleaverCleanup::test_interleaver_freed_with_wrapper, on the
     wrapper itself (distgrad has no interleaver object)."""
+
     def make():
         model = distgrad.wrap(tiny())
         ref = weakref.ref(model)
@@ -149,12 +161,14 @@ def test_wrapper_freed_with_model(x):
             with model.trace(x):
                 model.output.save()
         return ref
+
     ref = make()
     gc.collect()
     assert ref() is None
 
 
 # --- error types nnsight's tests expect ------------------------------------------------------
+
 
 def test_module_not_found_is_attribute_error(model_gpt2):
     """test_lm.py::test_source_operation_not_found's error type, for a module path."""

@@ -6,11 +6,12 @@ fp32, atol 1e-6. nnsight's session-based tests (``model.session()``) are ported 
 session where the pattern itself is plain Python; ``tracer.stop()`` tests are not ported (see
 nnsight_port.py for what is not mirrored).
 """
+
 import pytest
 import torch
+from nnsight_port import ATOL, assert_close, hooked_run, tiny, tiny_input
 
 import distgrad
-from nnsight_port import ATOL, assert_close, hooked_run, tiny, tiny_input
 
 
 @pytest.fixture
@@ -105,8 +106,12 @@ def test_node_as_condition(net, model, x):
         l2 = model.layer2.output.save()
     with pytest.raises(UnboundLocalError):
         l1_out
-    seen, _ = hooked_run(net, x, {"l1": net.layer1, "l2": net.layer2},
-                         edits={"l1": lambda o: torch.cat([torch.ones_like(o[:, :1]), o[:, 1:]], 1)})
+    seen, _ = hooked_run(
+        net,
+        x,
+        {"l1": net.layer1, "l2": net.layer2},
+        edits={"l1": lambda o: torch.cat([torch.ones_like(o[:, :1]), o[:, 1:]], 1)},
+    )
     assert_close(l2, seen["l2"])
 
 
@@ -177,36 +182,36 @@ def test_bridge_protocol(model, x):
 def test_sequential_graph_based_context_exit(model, x):
     """test_tiny.py::test_sequential_graph_based_context_exit: ``break`` in a body's loop."""
     with model.trace(x):
-        l = distgrad.save([])
-        l.append(0)
+        kept = distgrad.save([])
+        kept.append(0)
         for item in [1, 2, 3, 4]:
             if item == 3:
                 break
-            l.append(item)
-        l.append(5)
-    assert l == [0, 1, 2, 5]
+            kept.append(item)
+        kept.append(5)
+    assert kept == [0, 1, 2, 5]
 
 
 def test_bridged_node_cleanup(model, x):
     """test_tiny.py::test_bridged_node_cleanup"""
     with model.trace(x):
-        l = distgrad.save([])
+        kept = distgrad.save([])
         for item in [0, 1, 2]:
             if item == 2:
                 break
-            l.append(item)
-    assert l == [0, 1]
+            kept.append(item)
+    assert kept == [0, 1]
 
 
 def test_nested_iterator(model, x):
     """test_tiny.py::test_nested_iterator"""
     with model.trace(x):
-        l = distgrad.save([])
-        l.append([0])
-        l.append([1])
-        l.append([2])
+        kept = distgrad.save([])
+        kept.append([0])
+        kept.append([1])
+        kept.append([2])
         l2 = distgrad.save([])
-        for item in l:
+        for item in kept:
             for item_2 in item:
                 l2.append(item_2)
     assert l2 == [0, 1, 2]
@@ -218,10 +223,10 @@ def test_nnsight_builtins(model, x):
         nn_list = distgrad.save([])
         sesh_list = distgrad.save([])
         apply_list = distgrad.save([])
-        for l in [nn_list, sesh_list, apply_list]:
-            l.append(int)
-            l.append("Hello World")
-            l.append({"a": "1"})
+        for kept in [nn_list, sesh_list, apply_list]:
+            kept.append(int)
+            kept.append("Hello World")
+            kept.append({"a": "1"})
     assert nn_list == sesh_list == apply_list == [int, "Hello World", {"a": "1"}]
 
 

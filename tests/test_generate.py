@@ -2,16 +2,19 @@
 ``net.generate`` with the same inputs and keyword arguments (greedy, so the ids are exact), with
 and without a forward edit (in plain PyTorch: a raw forward hook), and the errors for reading
 them where generate has not returned."""
+
 import pytest
 import torch
+from conftest import TEXT
 
 import distgrad
-from conftest import TEXT
 
 NEW = 5
 GREEDY = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-PROMPTS = [torch.randint(2, 384, (2, 6), generator=torch.Generator().manual_seed(seed))
-           for seed in range(2)]
+PROMPTS = [
+    torch.randint(2, 384, (2, 6), generator=torch.Generator().manual_seed(seed))
+    for seed in range(2)
+]
 SHIFT = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 5
 
 
@@ -47,8 +50,9 @@ def test_generated_ids_with_an_edit_at_every_step_match_a_raw_hook(gpt2):
             block.output = block.output + SHIFT
         ids = tracer.result.save()
     expected = _plain_generate(gpt2, prompt, edit=lambda out: out + SHIFT)
-    assert not torch.equal(expected, _plain_generate(gpt2, prompt)), \
+    assert not torch.equal(expected, _plain_generate(gpt2, prompt)), (
         "the edit changes no id: the comparison would prove nothing"
+    )
     assert torch.equal(ids, expected), (ids, expected)
 
 

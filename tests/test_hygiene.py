@@ -1,16 +1,17 @@
 """Nothing is left behind: hooks, the .grad property, threads, greenlets - after success, after
 errors, and over many traces; and traces work inside functions, loops and classes."""
+
 import gc
-import traceback
 import threading
+import traceback
 
 import pytest
 import torch
+from conftest import ATOL, PARAM_ATOL, TEXT, assert_param_grads, hook_count, reference
 
 import distgrad
 from distgrad import patches
 from distgrad.interleave.session import BODIES
-from conftest import ATOL, PARAM_ATOL, TEXT, assert_param_grads, hook_count, reference
 
 
 def _clean(net):
@@ -88,6 +89,7 @@ def test_thread_mode_reuses_one_worker(mlp, monkeypatch):
 
 def _worker_thread():
     from distgrad.interleave.session import current_body
+
     return current_body().block.session.transport.worker.thread
 
 
@@ -189,6 +191,7 @@ def test_grad_outside_bodies_is_plain_pytorch():
 
 def _greenlets() -> int:
     import greenlet
+
     gc.collect()
     return sum(type(o) is greenlet.greenlet for o in gc.get_objects())  # (isinstance would
     # touch deprecated module attributes among the objects and warn)
@@ -198,7 +201,9 @@ def test_invoke_bodies_reuse_runner_greenlets(mlp):
     """Invoke bodies run on the thread's pooled runner greenlets: over many traces, and when one
     invoke raises while another waits mid-body, none is leaked and the pool does not grow."""
     import greenlet
+
     from distgrad.interleave import transports
+
     model = distgrad.wrap(mlp)
     x = torch.randn(2, 8)
     seen = set()  # greenlets that ran a body (kept alive, so an id cannot be reused)

@@ -1,9 +1,10 @@
 """Invokes: one batch, each body sees and edits only its own rows, forward and backward."""
+
 import pytest
 import torch
+from conftest import ATOL
 
 import distgrad
-from conftest import ATOL
 
 # every body mode (conftest.backward_mode), also for the tests that read or edit forward only
 pytestmark = pytest.mark.usefixtures("backward_mode")
@@ -135,7 +136,9 @@ def test_error_in_an_invoke_body_points_at_the_users_line(mlp):
             with tr.invoke(torch.randn(2, 8)):
                 model[0].output
                 1 / 0  # the line the traceback must show
-    assert any(entry.statement.lines and "1 / 0" in str(entry.statement) for entry in info.traceback)
+    assert any(
+        entry.statement.lines and "1 / 0" in str(entry.statement) for entry in info.traceback
+    )
 
 
 def test_a_debuggers_trace_function_keeps_running_after_an_invoke(mlp):
@@ -143,6 +146,7 @@ def test_a_debuggers_trace_function_keeps_running_after_an_invoke(mlp):
     # thread's tracing off when a trace function raises: pdb's breakpoints and coverage would
     # stop at the first invoke. The trace function installed before must be back, and see lines.
     import sys
+
     model = distgrad.wrap(mlp)
     here = sys._getframe().f_code
     lines = []
@@ -262,8 +266,12 @@ def _rounds_reference(net, tokenizer):
     each its own backward (retain_graph=True), invoke 0's first gradient at h[0] times 10."""
     enc = dict(tokenizer(TEXTS, return_tensors="pt", padding=True))
     seen = {}
-    handles = [net.transformer.h[i].register_forward_hook(
-        lambda mod, args, out, i=i: seen.__setitem__(i, out)) for i in (0, 1)]
+    handles = [
+        net.transformer.h[i].register_forward_hook(
+            lambda mod, args, out, i=i: seen.__setitem__(i, out)
+        )
+        for i in (0, 1)
+    ]
     net.zero_grad(set_to_none=True)
     try:
         logits = net(**enc).logits
@@ -277,6 +285,7 @@ def _rounds_reference(net, tokenizer):
         def on_grad(g, key):
             grads[key] = g.clone()
             return edit(g) if edit is not None and key == (name, 0) else None
+
         handles = [t.register_hook(lambda g, k=(name, i): on_grad(g, k)) for i, t in hooked]
         loss.backward(retain_graph=True)
         for handle in handles:
@@ -350,8 +359,10 @@ def test_invokes_blocks_with_gradient_arguments(mlp, backward_mode):
     """Blocks given ``gradient=`` (positionally or by keyword), several in one round, and a
     second round of one: each body's gradient at the hidden layer and the parameter gradients
     are plain autograd's, the backward running through the engine's as every block's does."""
-    x1, x2 = torch.randn(2, 8, generator=torch.Generator().manual_seed(0)), \
-        torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    x1, x2 = (
+        torch.randn(2, 8, generator=torch.Generator().manual_seed(0)),
+        torch.randn(3, 8, generator=torch.Generator().manual_seed(1)),
+    )
     g1, g2, g3 = torch.randn(2, 4), torch.randn(3, 4), torch.randn(2, 4)
     model = distgrad.wrap(mlp)
     with model.trace() as tr:

@@ -5,11 +5,12 @@ PyTorch called on those rows would differentiate a tensor the loss does not depe
 case is checked against plain autograd on the invoke's input alone (the MLP, same weights),
 fp32, atol 1e-6 (1e-5 for parameter gradients).
 """
+
 import pytest
 import torch
+from conftest import ATOL, PARAM_ATOL, param_grads, reference
 
 import distgrad
-from conftest import ATOL, PARAM_ATOL, param_grads, reference
 
 pytestmark = pytest.mark.usefixtures("backward_mode")
 
@@ -61,8 +62,9 @@ def test_autograd_grad_of_the_invokes_rows(mlp):
         with tr.invoke(xs[0]):
             h0 = model[0].output
             # (the batch's graph is one: a later body differentiates it again)
-            both = distgrad.save(torch.autograd.grad(model.output.sum(), [h0, weight],
-                                                     retain_graph=True))
+            both = distgrad.save(
+                torch.autograd.grad(model.output.sum(), [h0, weight], retain_graph=True)
+            )
         with tr.invoke(xs[1]):
             h1 = model[0].output
             g1 = distgrad.save(torch.autograd.grad(model.output.sum(), h1)[0])
@@ -102,8 +104,9 @@ def test_autograd_grad_allow_unused_still_none_for_what_is_unused(mlp):
         with tr.invoke(xs[0]):
             h0 = model[0].output
             a0 = model[1].output
-            got = distgrad.save(torch.autograd.grad(a0.sum(), [h0, mlp[2].weight],
-                                                    allow_unused=True))
+            got = distgrad.save(
+                torch.autograd.grad(a0.sum(), [h0, mlp[2].weight], allow_unused=True)
+            )
         with tr.invoke(xs[1]):
             pass
     h = mlp[0](xs[0])

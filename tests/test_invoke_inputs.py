@@ -2,11 +2,12 @@
 as text is, call options of the trace beside the invokes' inputs (generate), and
 ``invoker.inputs``. Each number against plain PyTorch on the padded batch with its mask, the
 same weights (fp32, atol 1e-6 for values, 1e-5 for parameter gradients)."""
+
 import pytest
 import torch
+from conftest import ATOL, param_grads
 
 import distgrad
-from conftest import ATOL, param_grads
 from distgrad.demo.models import build_tokenizer
 from distgrad.interleave import batching
 
@@ -100,8 +101,9 @@ def test_an_empty_invokes_backward_reads_the_whole_batch(gpt2, tokenizer, backwa
         torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0, msg=name)
 
 
-def test_an_empty_invoke_reads_the_gradient_an_invoke_before_it_edited(gpt2, tokenizer,
-                                                                     backward_mode):
+def test_an_empty_invoke_reads_the_gradient_an_invoke_before_it_edited(
+    gpt2, tokenizer, backward_mode
+):
     model = distgrad.wrap(gpt2, tokenizer=tokenizer)
     with model.trace() as tr:
         with tr.invoke(TEXTS[0]):
@@ -124,6 +126,7 @@ def test_an_empty_invoke_reads_the_gradient_an_invoke_before_it_edited(gpt2, tok
             grad[0] *= 10
             seen["grad"] = grad
             return grad
+
         out.register_hook(on_grad)
 
     handle = gpt2.transformer.h[0].register_forward_hook(on_output)
@@ -216,8 +219,9 @@ def test_token_ids_of_different_lengths_are_padded(gpt2, side, backward_mode):
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0, msg=name)
     # ids positional in some invokes and by keyword in others: all are passed as input_ids=
-    assert first.inputs[0] == () and torch.equal(first.inputs[1]["input_ids"],
-                                                 batch["input_ids"][:1])
+    assert first.inputs[0] == () and torch.equal(
+        first.inputs[1]["input_ids"], batch["input_ids"][:1]
+    )
     assert torch.equal(first.inputs[1]["attention_mask"], batch["attention_mask"][:1])
     assert torch.equal(third.inputs[1]["input_ids"], batch["input_ids"][2:])
     assert first.args == (ROWS[0],) and third.kwargs == {"input_ids": [ROWS[2]]}
@@ -352,4 +356,6 @@ def test_tokenizer_keywords_reach_the_tokenizer(gpt2, tokenizer):
             short = model.transformer.wte.input.save()
     assert short.shape == (1, 5)
     assert batching.tokenizer_options(tokenizer, {"max_length": 9, "do_sample": False}) == (
-        {}, {"max_length": 9, "do_sample": False})
+        {},
+        {"max_length": 9, "do_sample": False},
+    )

@@ -5,15 +5,16 @@ the body's ``tracer.invoke(...)`` was entered (a loop variable: that step's); a 
 binds is one value for all bodies, and the last binding reaches the caller. Values are checked
 against the plain MLP on the same weights, fp32, atol 1e-6 (1e-5 for parameter gradients).
 """
+
 import gc
 import runpy
 import weakref
 
 import pytest
 import torch
+from conftest import ATOL, PARAM_ATOL, param_grads, reference
 
 import distgrad
-from conftest import ATOL, PARAM_ATOL, param_grads, reference
 
 pytestmark = pytest.mark.usefixtures("backward_mode")
 
@@ -83,7 +84,8 @@ def test_loop_at_module_scope(mlp, tmp_path):
         "    for i, x in enumerate(xs):\n"
         "        with tr.invoke(x):\n"
         "            got.append((model[0].output * (i + 1)).save())\n"
-        "            first = model[0].output.save()\n")
+        "            first = model[0].output.save()\n"
+    )
     xs = _xs()
     names = runpy.run_path(str(script), {"model": distgrad.wrap(mlp), "xs": xs})
     for i, x in enumerate(xs):

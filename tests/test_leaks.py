@@ -7,16 +7,17 @@ test turns the collector off, runs traces, and counts what only the collector co
 in every body mode, after errors in the body, and with invokes; ``tests/dist/job.py``
 (``case_no_cycles``) checks the same under DDP.
 """
+
 import gc
 import threading
 import weakref
 
 import pytest
 import torch
-
-import distgrad
 from conftest import TEXT
 from dist.dp_leaks import cyclic_garbage, describe, kinds  # tests/dist: shared with the jobs
+
+import distgrad
 
 
 def readme_step(model):
@@ -100,8 +101,9 @@ def test_saved_values_die_with_the_users_names(gpt2, tokenizer):
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        torch.testing.assert_close(gpt2(**tokenizer(TEXT, return_tensors="pt")).logits.detach(),
-                                   expected)
+        torch.testing.assert_close(
+            gpt2(**tokenizer(TEXT, return_tensors="pt")).logits.detach(), expected
+        )
         del logits, loss, g, h1
         assert logits_ref() is None, "the saved logits outlived the user's names"
         assert grad_ref() is None, "the saved gradient outlived the user's names"

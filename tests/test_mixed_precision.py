@@ -8,13 +8,14 @@ the CPU: ``torch.autocast("cpu", dtype=torch.float16)`` and ``GradScaler("cpu")`
 are powers of two, so dividing and multiplying by them is exact: gradients read agree to
 ``ATOL`` (1e-6), parameters after the step to ``PARAM_ATOL`` (1e-5).
 """
+
 import copy
 
 import pytest
 import torch
+from conftest import ATOL, PARAM_ATOL, TEXT, hook_count, param_grads
 
 import distgrad
-from conftest import ATOL, PARAM_ATOL, TEXT, hook_count, param_grads
 
 pytestmark = pytest.mark.usefixtures("backward_mode")
 
@@ -63,8 +64,9 @@ def test_unscaled_read_and_edit_match_a_hand_unscaling_hook(gpt2, tokenizer):
     ids = torch.tensor(tokenizer([TEXT])["input_ids"])
     plain_net = copy.deepcopy(gpt2)
     plain_scaler = torch.amp.GradScaler("cpu")
-    seen, plain_grads = plain_scaled_step(plain_net, ids, plain_net.transformer.h[0].mlp.c_fc,
-                                          plain_scaler, clip)
+    seen, plain_grads = plain_scaled_step(
+        plain_net, ids, plain_net.transformer.h[0].mlp.c_fc, plain_scaler, clip
+    )
     assert seen["dtype"] == torch.float16  # an autocast region: float16 gradients flow there
 
     model = distgrad.wrap(gpt2)
@@ -82,11 +84,12 @@ def test_unscaled_read_and_edit_match_a_hand_unscaling_hook(gpt2, tokenizer):
     got = param_grads(gpt2)
     assert got.keys() == plain_grads.keys()
     for name, expected in plain_grads.items():  # still scaled, as plain PyTorch leaves them
-        torch.testing.assert_close(got[name], expected, atol=PARAM_ATOL * scaler.get_scale(),
-                                   rtol=0, msg=name)
+        torch.testing.assert_close(
+            got[name], expected, atol=PARAM_ATOL * scaler.get_scale(), rtol=0, msg=name
+        )
     scaler.step(opt)
     scaler.update()
-    assert scaler.get_scale() == plain_scaler.get_scale() == 2.0 ** 16  # no inf: a real step
+    assert scaler.get_scale() == plain_scaler.get_scale() == 2.0**16  # no inf: a real step
     for (name, p), q in zip(gpt2.named_parameters(), plain_net.parameters()):
         torch.testing.assert_close(p, q, atol=PARAM_ATOL, rtol=0, msg=name)
 
@@ -105,14 +108,14 @@ def _plain_fp32(mlp, x):
 def test_scaled_and_unscaled_reads(mlp):
     x = torch.randn(4, 8)
     plain, plain_grads = _plain_fp32(mlp, x)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     model = distgrad.wrap(mlp)
     with model.trace(x):
         h = model[1].output
         loss = model.output.sum()
         with scaler.scale(loss).backward():  # no scaler=: the gradients autograd computes
             scaled = h.grad.save()
-    torch.testing.assert_close(scaled, plain * 2.0 ** 10, atol=ATOL * 2.0 ** 10, rtol=0)
+    torch.testing.assert_close(scaled, plain * 2.0**10, atol=ATOL * 2.0**10, rtol=0)
     mlp.zero_grad(set_to_none=True)
     with model.trace(x):
         h = model[1].output
@@ -121,8 +124,9 @@ def test_scaled_and_unscaled_reads(mlp):
             unscaled = h.grad.save()
         w = model[0].weight.grad.save()  # a parameter's gradient is PyTorch's own: scaled
     torch.testing.assert_close(unscaled, plain, atol=ATOL, rtol=0)
-    torch.testing.assert_close(w, plain_grads["0.weight"] * 2.0 ** 10,
-                               atol=PARAM_ATOL * 2.0 ** 10, rtol=0)
+    torch.testing.assert_close(
+        w, plain_grads["0.weight"] * 2.0**10, atol=PARAM_ATOL * 2.0**10, rtol=0
+    )
     # unedited gradients flow on as autograd made them: unscaling equals plain autograd's step
     scaler.unscale_(torch.optim.SGD(mlp.parameters(), lr=0.1))
     for name, expected in plain_grads.items():

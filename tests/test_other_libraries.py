@@ -5,6 +5,7 @@ bodies only and hands every other call to what was there before, whichever libra
 first. Import order is process-wide state, so each case runs in a fresh process
 (``other_libraries_job.py``) in both orders, and compares with plain autograd there.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,10 +23,16 @@ ORDERS = ["other-first", "distgrad-first"]
 def run_case(case: str, order: str) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(HERE / "other_libraries_job.py"), case, order],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), \
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "other_libraries_job.py"), case, order],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
         proc.stdout[-3000:] + proc.stderr[-3000:]
+    )
 
 
 @pytest.fixture

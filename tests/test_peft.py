@@ -6,16 +6,17 @@ Oracle: the same step done with plain PyTorch hooks on a model with the same wei
 (tests/wrapped_steps.py), to the usual tolerances (atol 1e-6 for values, 1e-5 for parameter
 gradients).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import PARAM_ATOL, hook_count, param_grads
 from peft import LoraConfig, get_peft_model
+from wrapped_steps import IDS, assert_close, assert_grads, plain_step, traced_step
 
 import distgrad
 from distgrad.demo.models import build_gpt2
-from conftest import PARAM_ATOL, hook_count, param_grads
-from wrapped_steps import IDS, assert_close, assert_grads, plain_step, traced_step
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,11 @@ def test_peft_reads_edits_and_grads_match_plain_autograd(lora, backward_mode, sp
     name = "base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight"
     assert_close(lora_a.grad, grads[name], atol=PARAM_ATOL)
     lora_b = model.transformer.h[1].attn.c_attn.lora_B["default"].weight
-    assert_close(lora_b.grad, grads["base_model.model.transformer.h.1.attn.c_attn.lora_B.default"
-                                    ".weight"], atol=PARAM_ATOL)
+    assert_close(
+        lora_b.grad,
+        grads["base_model.model.transformer.h.1.attn.c_attn.lora_B.default.weight"],
+        atol=PARAM_ATOL,
+    )
     assert model.transformer.h[1].mlp.c_fc.weight.grad is None  # frozen by PEFT, as in plain
     assert hook_count(lora) == 0
 
@@ -93,8 +97,9 @@ def test_lora_grads_read_in_the_body_match_plain_autograd(lora, backward_mode, e
     the oracle)."""
     inner = lora.base_model.model
     _, _, _, plain = plain_step(lora, inner.transformer.h[0], scale=1.0, grad_scale=1.0)
-    _, _, _, edited = plain_step(lora, inner.transformer.h[0], scale=1.0,
-                                 grad_scale=1.0 if edit is None else edit)
+    _, _, _, edited = plain_step(
+        lora, inner.transformer.h[0], scale=1.0, grad_scale=1.0 if edit is None else edit
+    )
     model = distgrad.wrap(lora)
     with model.trace(IDS):
         h0 = model.transformer.h[0].output
@@ -123,14 +128,16 @@ def test_lora_grads_under_each_engine_match_plain_autograd(engine, tmp_path):
     tests/dist/peft_job.py, both body paths."""
     import sys
     from pathlib import Path
+
     here = Path(__file__).parent / "dist"
     sys.path.insert(0, str(here))
     try:
         from launch import case_report, read_results, run_ranks
     finally:
         sys.path.remove(str(here))
-    procs = run_ranks([str(here / "peft_job.py"), "--engine", engine, "--out", str(tmp_path)], 2,
-                      timeout=180)
+    procs = run_ranks(
+        [str(here / "peft_job.py"), "--engine", engine, "--out", str(tmp_path)], 2, timeout=180
+    )
     results = read_results(tmp_path, 2)
     cases = ["case_lora_grads", "case_lora_grads_after_an_edit"]
     if not engine.startswith("zero"):
@@ -151,8 +158,11 @@ def test_unserved_assignments_raise_and_change_nothing(gpt2, where):
 
     def attempts():
         value = torch.zeros(1)
-        with pytest.raises(AttributeError, match=r"h\[0\]\.outptu = \.\.\..*Did you mean "
-                                                 r"model\.transformer\.h\[0\]\.output"):
+        with pytest.raises(
+            AttributeError,
+            match=r"h\[0\]\.outptu = \.\.\..*Did you mean "
+            r"model\.transformer\.h\[0\]\.output",
+        ):
             block.outptu = value
         with pytest.raises(AttributeError, match=r"h\[0\]\.grad = \.\.\."):
             block.grad = value

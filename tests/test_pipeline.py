@@ -1,6 +1,7 @@
 """Pipeline parallelism on real multi-process jobs (gloo on CPU): torch.distributed.pipelining
 schedules over one stage per rank, the body written against the whole model's paths, every
 number compared with the unsplit model on one process (tests/dist/pp_job.py; atol 1e-5)."""
+
 import json
 import sys
 from pathlib import Path
@@ -14,15 +15,37 @@ JOB = str(Path(__file__).parent / "dist" / "pp_job.py")
 
 
 # what pp_job.py runs with --cases all, each checked on every rank
-_ALL = ("case_read_edit", "case_read_edit_thread", "case_edits_read_back",
-        "case_edits_read_back_thread", "case_body_without_source", "case_nothing_left_behind",
-        "case_flow", "case_out_of_order")
+_ALL = (
+    "case_read_edit",
+    "case_read_edit_thread",
+    "case_edits_read_back",
+    "case_edits_read_back_thread",
+    "case_body_without_source",
+    "case_nothing_left_behind",
+    "case_flow",
+    "case_out_of_order",
+)
 
 
 def _job(tmp_path, schedule, microbatches, world, cases="all", split="manual", width=8):
-    procs = run_ranks([JOB, "--schedule", schedule, "--microbatches", str(microbatches),
-                       "--cases", cases, "--split", split, "--width", str(width),
-                       "--out", str(tmp_path)], world)
+    procs = run_ranks(
+        [
+            JOB,
+            "--schedule",
+            schedule,
+            "--microbatches",
+            str(microbatches),
+            "--cases",
+            cases,
+            "--split",
+            split,
+            "--width",
+            str(width),
+            "--out",
+            str(tmp_path),
+        ],
+        world,
+    )
     results = []
     for rank, proc in enumerate(procs):
         path = tmp_path / f"rank{rank}.json"
@@ -101,8 +124,9 @@ def test_rank_dependent_request_to_a_far_stage_raises(tmp_path):
     waits in the schedule; rank 2 asks where stage 0 is after one failure timeout, learns the
     bundle went without the value and raises; every other rank hears of it."""
     for rank, result in enumerate(_job(tmp_path, "1f1b", 4, 4, cases="rank_dependent_far")):
-        assert result.get("case_rank_dependent_far") == "ok", \
+        assert result.get("case_rank_dependent_far") == "ok", (
             f"rank {rank}:\n{result.get('case_rank_dependent_far')}"
+        )
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -111,8 +135,17 @@ def test_late_forward_read_raises_instead_of_hanging(schedule, tmp_path):
         assert result.get("case_late_read") == "ok", f"rank {rank}:\n{result.get('case_late_read')}"
 
 
-@pytest.mark.parametrize("case", ["after_loss", "grad_order", "cross_grad", "rank_dependent",
-                                  "rank_dependent_grad", "inputs_refused"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "after_loss",
+        "grad_order",
+        "cross_grad",
+        "rank_dependent",
+        "rank_dependent_grad",
+        "inputs_refused",
+    ],
+)
 def test_order_errors_raise_instead_of_hanging(case, tmp_path):
     """A forward value after tr.loss (every rank raises); gradients of one stage in forward order
     (the rank missing the second raises, its owner hears of it); an edit whose gradient would
@@ -129,15 +162,29 @@ def test_slow_stage_is_waited_for(tmp_path):
     0's gradient all that time: the wait goes on (it is not a failure) and the value is right.
     A timed gloo receive would have closed the group's connections when it expired."""
     for rank, result in enumerate(_job(tmp_path, "1f1b", 2, 2, cases="slow_owner")):
-        assert result.get("case_slow_owner") == "ok", f"rank {rank}:\n{result.get('case_slow_owner')}"
+        assert result.get("case_slow_owner") == "ok", (
+            f"rank {rank}:\n{result.get('case_slow_owner')}"
+        )
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_killed_stage_is_reported(schedule, tmp_path):
     """The last stage is SIGKILLed inside its body; the first stage raises RankFailedError
     ("stopped answering") instead of hanging, and exits normally."""
-    procs = run_ranks([JOB, "--schedule", schedule, "--microbatches", "2", "--cases", "killed",
-                       "--out", str(tmp_path)], 2)
+    procs = run_ranks(
+        [
+            JOB,
+            "--schedule",
+            schedule,
+            "--microbatches",
+            "2",
+            "--cases",
+            "killed",
+            "--out",
+            str(tmp_path),
+        ],
+        2,
+    )
     assert procs[1].returncode == -9  # the rank really died
     assert procs[0].returncode == 0, procs[0].stdout[-3000:]
     result = json.loads((tmp_path / "rank0.json").read_text())
@@ -156,8 +203,10 @@ def test_deepspeed_pipeline_engine(microbatches, tmp_path, mode="auto"):
     over two train_batch steps against plain autograd (rtol 1e-5), nothing left behind; its
     refusal under bf16 on every rank."""
     job = str(Path(__file__).parent / "dist" / "ds_pipe_job.py")
-    procs = run_ranks([job, "--microbatches", str(microbatches), "--out", str(tmp_path),
-                       "--backward-mode", mode], 2)
+    procs = run_ranks(
+        [job, "--microbatches", str(microbatches), "--out", str(tmp_path), "--backward-mode", mode],
+        2,
+    )
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -190,8 +239,11 @@ def test_deepspeed_pipeline_rank_dependent_request_raises(tmp_path):
     the bundle went without the value, and raises TraceStateError; stage 0 hears of it. (Before,
     both waited for gloo's 30-minute timeout.)"""
     job = str(Path(__file__).parent / "dist" / "ds_pipe_job.py")
-    procs = run_ranks([job, "--microbatches", "2", "--out", str(tmp_path),
-                       "--cases", "rank_dependent"], 2, timeout=120)
+    procs = run_ranks(
+        [job, "--microbatches", "2", "--out", str(tmp_path), "--cases", "rank_dependent"],
+        2,
+        timeout=120,
+    )
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -205,15 +257,27 @@ def test_values_keep_dtype_shape_and_bytes_between_stages():
     ones: numpy's; conjugate and negative views: the general one), and as a tensor of its own,
     not a view of the bundle's reused buffer."""
     import torch
+
     from distgrad.engines.pipeline.messages import _entry, _pack, _values
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3, 5, generator=g)
     cplx = torch.randn(2, 3, dtype=torch.complex64, generator=g)
-    sent = [base, base[1:], base.t(), base[:, ::2], torch.tensor(2.5), torch.zeros(0, 4),
-            base.to(torch.bfloat16), base.to(torch.float16), base > 0,
-            torch.arange(7), cplx.conj(), cplx.conj().imag,  # conjugate and negative views
-            (base * 1).requires_grad_(True)]
+    sent = [
+        base,
+        base[1:],
+        base.t(),
+        base[:, ::2],
+        torch.tensor(2.5),
+        torch.zeros(0, 4),
+        base.to(torch.bfloat16),
+        base.to(torch.float16),
+        base > 0,
+        torch.arange(7),
+        cplx.conj(),
+        cplx.conj().imag,  # conjugate and negative views
+        (base * 1).requires_grad_(True),
+    ]
     assert sent[11].is_neg() and sent[1].storage_offset() > 0
     bundle = _pack([_entry(t, tag) for tag, t in enumerate(sent)])
     view = memoryview(bundle)

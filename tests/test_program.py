@@ -1,8 +1,9 @@
 """The issue's main program, on the tiny GPT-2, against plain autograd."""
+
 import torch
+from conftest import ATOL, TEXT, assert_param_grads, param_grads, reference
 
 import distgrad
-from conftest import ATOL, TEXT, assert_param_grads, param_grads, reference
 
 
 def test_main_program_matches_autograd(gpt2, tokenizer, backward_mode):
@@ -43,8 +44,9 @@ def test_llama_and_mlp_gradients(llama, mlp, tokenizer, backward_mode):
             h.grad = torch.zeros_like(h.grad)
     enc = dict(tokenizer([TEXT], return_tensors="pt", padding=True))
     got = {n: p.grad.clone() for n, p in llama.named_parameters() if p.grad is not None}
-    _, ref_grad, ref = reference(llama, enc, llama.model.layers[1],
-                                 edit=torch.zeros_like, loss_fn=lambda x: x.pow(2).mean())
+    _, ref_grad, ref = reference(
+        llama, enc, llama.model.layers[1], edit=torch.zeros_like, loss_fn=lambda x: x.pow(2).mean()
+    )
     torch.testing.assert_close(g, ref_grad, atol=ATOL, rtol=0)
     assert got.keys() == ref.keys()
     for n in ref:

@@ -6,6 +6,7 @@ model on one process (tests/dist/tp_job.py; atol 1e-5).
 * sp: the same with sequence parallelism (norms return DTensors, the residual stream is split);
 * fsdp-tp: a (dp, tp) = (2, 2) mesh on 4 ranks, fully_shard over dp after tensor parallelism.
 """
+
 import json
 import sys
 from pathlib import Path
@@ -16,19 +17,29 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import case_report, read_results, run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "tp_job.py")
-CASES = ["case_read_edit", "case_read_edit_thread", "case_collectives", "case_flow", "case_failure",
-         "case_two_forms"]
+CASES = [
+    "case_read_edit",
+    "case_read_edit_thread",
+    "case_collectives",
+    "case_flow",
+    "case_failure",
+    "case_two_forms",
+]
 
 
 @pytest.mark.parametrize("layout, world", [("tp", 2), ("sp", 2), ("fsdp-tp", 4)])
 def test_tensor_parallel_job(layout, world, tmp_path):
     procs = run_ranks([JOB, "--layout", layout, "--out", str(tmp_path)], world)
     for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"{layout} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+        assert proc.returncode == 0, (
+            f"{layout} rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+        )
         path = tmp_path / f"rank{rank}.json"
         result = json.loads(path.read_text()) if path.exists() else {}
         for case in CASES:
-            assert result.get(case) == "ok", f"{layout} rank {rank} {case}:\n{result.get(case, proc.stdout[-3000:])}"
+            assert result.get(case) == "ok", (
+                f"{layout} rank {rank} {case}:\n{result.get(case, proc.stdout[-3000:])}"
+            )
 
 
 @pytest.mark.parametrize("case", ["rank_dependent", "rank_dependent_value"])

@@ -15,6 +15,7 @@ DDP ranks (gloo, CPU): tests/dist/trainer_job.py.
 * a backward block on another tensor raises, naming ``tr.loss``, on every rank, and leaves
   accelerate's ``backward`` unpatched.
 """
+
 import sys
 from pathlib import Path
 
@@ -25,10 +26,16 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import case_report, read_results, run_ranks  # noqa: E402
 
 JOB = str(Path(__file__).parent / "dist" / "trainer_job.py")
-CASES = ["case_gradient_edit_without_accumulation", "case_gradient_edit_with_accumulation",
-         "case_gradient_edit_with_accumulation_and_label_smoothing", "case_bf16_autocast",
-         "case_gradient_checkpointing", "case_lora_adapters",
-         "case_forward_edit_without_block", "case_block_on_another_tensor_raises"]
+CASES = [
+    "case_gradient_edit_without_accumulation",
+    "case_gradient_edit_with_accumulation",
+    "case_gradient_edit_with_accumulation_and_label_smoothing",
+    "case_bf16_autocast",
+    "case_gradient_checkpointing",
+    "case_lora_adapters",
+    "case_forward_edit_without_block",
+    "case_block_on_another_tensor_raises",
+]
 DEEPSPEED_CASES = ["case_deepspeed_zero1", "case_deepspeed_zero3"]
 
 

@@ -2,10 +2,10 @@
 (the oracle) and through distgrad; and the tolerances it is compared with (conftest.py: atol
 1e-6 for values, 1e-5 for parameter gradients). Shared by tests/test_peft.py and
 tests/test_compiled.py."""
+
 from __future__ import annotations
 
 import torch
-
 from conftest import ATOL, PARAM_ATOL, param_grads
 
 IDS = torch.tensor([[84, 107, 104, 32, 69, 105, 102], [70, 101, 108, 32, 84, 111, 119]])

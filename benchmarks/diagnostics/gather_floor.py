@@ -12,6 +12,7 @@ ddp_overhead.py's shape ([2, 8, 64] float32 per rank, 2 ranks), and prints them 
 budget the 1.2x target leaves at each S (0.2 x the raw all_gather time, which ddp_overhead.py
 measures on 2 ranks).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,17 +23,17 @@ import torch
 
 
 def read_layout(tensors: list, block: torch.Tensor):
-    return [(t.dtype, t.shape) for t in tensors]      # (1) what each rank saved
+    return [(t.dtype, t.shape) for t in tensors]  # (1) what each rank saved
 
 
 def make_values(tensors: list, block: torch.Tensor):
-    return block.unbind(0)                           # (2) one tensor object per global value
+    return block.unbind(0)  # (2) one tensor object per global value
 
 
 def per_tensor_steps(tensors: list, block: torch.Tensor) -> None:
     read_layout(tensors, block)
     values = make_values(tensors, block)
-    for tensor, value in zip(tensors, values):       # (3) the user's tensor shows the global value
+    for tensor, value in zip(tensors, values):  # (3) the user's tensor shows the global value
         tensor.data = value
 
 
@@ -54,8 +55,10 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)  # as in SavesGather
-    print("| saved tensors S | all three steps us | us per tensor | (1) layout us | (2) values "
-          "us | (3) rebinding us |\n|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| saved tensors S | all three steps us | us per tensor | (1) layout us | (2) values "
+        "us | (3) rebinding us |\n|---:|---:|---:|---:|---:|---:|"
+    )
     for s in a.sizes:
         tensors = [torch.randn(2, 8, 64) for _ in range(s)]
         originals = [t.data for t in tensors]
@@ -65,8 +68,11 @@ def main() -> int:
         def rebind(tensors, block):
             for tensor, value in zip(tensors, values):
                 tensor.data = value
-        us = [median_us(fn, tensors, block, originals, a.steps)
-              for fn in (per_tensor_steps, read_layout, make_values, rebind)]
+
+        us = [
+            median_us(fn, tensors, block, originals, a.steps)
+            for fn in (per_tensor_steps, read_layout, make_values, rebind)
+        ]
         print(f"| {s} | {us[0]:.1f} | {us[0] / s:.2f} | {us[1]:.1f} | {us[2]:.1f} | {us[3]:.1f} |")
     return 0
 

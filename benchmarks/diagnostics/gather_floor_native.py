@@ -8,14 +8,14 @@ autograd's view tracking + ``set_data``; needs a C++ compiler, builds in about 3
 Tensors of ddp_overhead.py's shape ([2, 8, 64] float32 per rank, 2 ranks), grad mode off, median
 of 2000 calls each. See docs/performance.md (the DDP section) for what the numbers mean.
 """
+
 from __future__ import annotations
 
 import time
 
 import torch
-from torch.utils.cpp_extension import load_inline
-
 from gather_floor import median_us
+from torch.utils.cpp_extension import load_inline
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -29,8 +29,9 @@ void rebind_rows(std::vector<at::Tensor> targets, const at::Tensor& block) {
 
 def main() -> int:
     t0 = time.time()
-    native = load_inline("distgrad_gather_floor_probe", cpp_sources=SOURCE,
-                         functions=["rebind_rows"])
+    native = load_inline(
+        "distgrad_gather_floor_probe", cpp_sources=SOURCE, functions=["rebind_rows"]
+    )
     print(f"built and loaded in {time.time() - t0:.1f} s")
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -46,12 +47,15 @@ def main() -> int:
 
         def cpp(tensors, block):
             native.rebind_rows(tensors, block)
+
         cpp(tensors, block)
         assert tensors[-1].shape == (4, 8, 64) and tensors[-1].data_ptr() == block[-1].data_ptr()
         for tensor, original in zip(tensors, originals):
             tensor.data = original
-        print(f"| {s} | {median_us(python, tensors, block, originals, 2000):.1f} | "
-              f"{median_us(cpp, tensors, block, originals, 2000):.1f} |")
+        print(
+            f"| {s} | {median_us(python, tensors, block, originals, 2000):.1f} | "
+            f"{median_us(cpp, tensors, block, originals, 2000):.1f} |"
+        )
     return 0
 
 

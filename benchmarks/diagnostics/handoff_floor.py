@@ -14,6 +14,7 @@ Prints a markdown table of us per round trip (median and fastest of ``--repeats`
 ``--rounds``), then the floor the README program's hand-offs set on a step in thread mode (a
 CUDA backward) and in greenlet mode.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,11 @@ def adder():
 def no_handoff(op_run, op_body, n):
     """Each maker sets up a run that serves ``n`` round trips and returns (body_round, finish):
     body_round does the body's op and one round trip; finish lets the run end."""
+
     def body():
         op_body()
         op_run()
+
     return body, nothing
 
 
@@ -49,11 +52,13 @@ def greenlet_pair(op_run, op_body, n):
         for _ in range(n):
             op_run()
             glet.parent.switch()
+
     glet = greenlet.greenlet(run)
 
     def body():
         op_body()
         glet.switch()
+
     return body, glet.switch  # the last switch lets run() return
 
 
@@ -78,6 +83,7 @@ def lock_pair(op_run, op_body, n):
         op_body()
         to_run.release()
         to_body.acquire()
+
     return body, in_thread(run)
 
 
@@ -99,6 +105,7 @@ def condition(op_run, op_body, n):
             turn[0] = "run"
             cond.notify()
             cond.wait_for(lambda: turn[0] == "body")
+
     return body, in_thread(run)
 
 
@@ -115,6 +122,7 @@ def simple_queue(op_run, op_body, n):
         op_body()
         to_run.put(None)
         to_body.get()
+
     return body, in_thread(run)
 
 
@@ -133,6 +141,7 @@ def event(op_run, op_body, n):
         go_run.set()
         go_body.wait()
         go_body.clear()
+
     return body, in_thread(run)
 
 
@@ -169,28 +178,40 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed blocks per primitive")
     a = p.parse_args()
     torch.set_num_threads(1)  # no intra-op pool behind the add_: only the two threads switch
-    rows = [(name, time_rounds(maker, False, a.rounds, a.repeats),
-             time_rounds(maker, True, a.rounds, a.repeats)) for name, maker in MAKERS.items()]
+    rows = [
+        (
+            name,
+            time_rounds(maker, False, a.rounds, a.repeats),
+            time_rounds(maker, True, a.rounds, a.repeats),
+        )
+        for name, maker in MAKERS.items()
+    ]
     med = {name: statistics.median(bare) for name, bare, _ in rows}
     lock, glet = med["lock pair (ThreadTransport)"], med["greenlet switch pair"]
     base = statistics.median(rows[0][2])  # the two add_ calls alone
-    print(f"us per round trip (body -> run -> body), {a.rounds} round trips x {a.repeats}\n\n"
-          "| hand-off | bare median | bare min | add_ both sides median | add_ min "
-          "| add_ median less the adds alone | bare median / lock pair |\n"
-          "|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"us per round trip (body -> run -> body), {a.rounds} round trips x {a.repeats}\n\n"
+        "| hand-off | bare median | bare min | add_ both sides median | add_ min "
+        "| add_ median less the adds alone | bare median / lock pair |\n"
+        "|---|---:|---:|---:|---:|---:|---:|"
+    )
     for name, bare, op in rows:
-        print(f"| {name} | {statistics.median(bare):.2f} | {min(bare):.2f} "
-              f"| {statistics.median(op):.2f} | {min(op):.2f} "
-              f"| {statistics.median(op) - base:.2f} | {med[name] / lock:.2f}x |")
+        print(
+            f"| {name} | {statistics.median(bare):.2f} | {min(bare):.2f} "
+            f"| {statistics.median(op):.2f} | {min(op):.2f} "
+            f"| {statistics.median(op) - base:.2f} | {med[name] / lock:.2f}x |"
+        )
     # The README step's hand-offs, counted by wrapping the transports' resume and hand: the
     # forward pauses at h[0].output and the logits (2 greenlet round trips in either mode); the
     # backward is 2 round trips, start -> the read's pause at a1.grad, reply -> the end. Each
     # further read+edit in the same backward block adds one round trip.
-    print("\nREADME step: the read+edit of a1.grad (the read's pause, the reply) spans 2 "
-          f"backward round trips:\nthread mode 2 x {lock:.2f} = {2 * lock:.2f} us, greenlet "
-          f"mode 2 x {glet:.2f} = {2 * glet:.2f} us ({lock / glet:.0f}x).\nWith the forward's "
-          f"2 greenlet round trips: {2 * glet + 2 * lock:.2f} us a step in thread mode, "
-          f"{4 * glet:.2f} us\nwith the backward in a greenlet.")
+    print(
+        "\nREADME step: the read+edit of a1.grad (the read's pause, the reply) spans 2 "
+        f"backward round trips:\nthread mode 2 x {lock:.2f} = {2 * lock:.2f} us, greenlet "
+        f"mode 2 x {glet:.2f} = {2 * glet:.2f} us ({lock / glet:.0f}x).\nWith the forward's "
+        f"2 greenlet round trips: {2 * glet + 2 * lock:.2f} us a step in thread mode, "
+        f"{4 * glet:.2f} us\nwith the backward in a greenlet."
+    )
     return 0
 
 

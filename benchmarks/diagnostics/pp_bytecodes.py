@@ -9,6 +9,7 @@ The set-up is ``pp_one_process.py``'s (one stage holding the whole 4-block model
 does on a shared machine, so it tells whether a change to the pipeline path made a step do
 less. It counts Python only: tensor copies, greenlet switches and messages are not in it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks this one builds on
 
-import distgrad.interleave.transports
 from bytecodes import count
 from pp_steps import one_process_steps
+
+import distgrad.interleave.transports
 
 
 def main() -> int:
@@ -44,8 +46,9 @@ def main() -> int:
         print(f"| {name} | {sum(found.values())} |")
     empty, full = "distgrad, a body that reads nothing", "distgrad"
     for more, less in ((empty, "raw hooks"), (full, empty)):
-        diff = collections.Counter({f: counts[more][f] - counts[less][f]
-                                    for f in set(counts[more]) | set(counts[less])})
+        diff = collections.Counter(
+            {f: counts[more][f] - counts[less][f] for f in set(counts[more]) | set(counts[less])}
+        )
         print(f"\n## {more} minus {less}: {sum(diff.values())}, top {args.top}\n")
         for where, n in diff.most_common(args.top):
             print(f"{n:8d}  {where}")

@@ -9,6 +9,7 @@ Rank 0 prints both ranks' totals and, per rank, the functions that make the diff
 count includes waits that poll (how often depends on timing), so it moves by a few hundred
 bytecodes between runs; the rest does not drift the way a timing does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,15 +23,17 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks this one builds on
 
+from bytecodes import count
+from pp_steps import pipeline_steps
+
 import distgrad
 import distgrad.interleave.transports
-from bytecodes import count
 from distgrad.demo.models import Blocks, Net
-from pp_steps import pipeline_steps
 
 
 def main() -> int:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=25, help="functions to list per difference")
     args = parser.parse_args()
@@ -42,16 +45,16 @@ def main() -> int:
     torch.manual_seed(0)
     net = Net(width=256)
     per = len(net.layers) // world
-    stage = PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
-                          torch.device("cpu"))
+    stage = PipelineStage(
+        Blocks(net.layers[rank * per : (rank + 1) * per]), rank, world, torch.device("cpu")
+    )
     schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=nn.MSELoss())
     model = distgrad.wrap(schedule, full_model=net)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, 256, generator=g), torch.randn(32, 256, generator=g)
 
     def step():
-        schedule.step(*((x,) if stage.is_first else ()),
-                      **({"target": y} if stage.is_last else {}))
+        schedule.step(*((x,) if stage.is_first else ()), **({"target": y} if stage.is_last else {}))
 
     counts = {}
     send_to = {"group": dist.new_group(backend="gloo"), "owner": 0, "n": 4, "peers": [1]}
@@ -61,7 +64,8 @@ def main() -> int:
             dist.barrier()
             fn()
             net.zero_grad(set_to_none=True)
-        distgrad.interleave.transports._idle.runners = []  # (pooled greenlets made untraced would not be counted)
+        # pooled greenlets made untraced would not be counted
+        distgrad.interleave.transports._idle.runners = []
         dist.barrier()
         counts[name] = count(fn)
         net.zero_grad(set_to_none=True)

@@ -14,6 +14,7 @@ Variants take turns in rounds of 10 steps. The per-variant median moves by hundr
 microseconds from run to run on a shared machine, so the fastest step ("min") is printed too;
 compare the "over raw" columns of runs made in the same minutes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,15 +48,21 @@ def main():
                 fn()
                 times[name].append(time.perf_counter_ns() - t)
                 net.zero_grad(set_to_none=True)
-    base = {stat: f(times["raw hooks"]) / 1e3 for stat, f in (("median", statistics.median),
-                                                             ("min", min))}
-    print(f"torch {torch.__version__}, 1F1B on one process, 4 microbatches, width {args.width}, "
-          f"{10 * args.rounds} steps per variant\n")
+    base = {
+        stat: f(times["raw hooks"]) / 1e3
+        for stat, f in (("median", statistics.median), ("min", min))
+    }
+    print(
+        f"torch {torch.__version__}, 1F1B on one process, 4 microbatches, width {args.width}, "
+        f"{10 * args.rounds} steps per variant\n"
+    )
     print("| variant | median us | over raw | min us | over raw |\n|---|---:|---:|---:|---:|")
     for name, v in times.items():
         med, low = statistics.median(v) / 1e3, min(v) / 1e3
-        print(f"| {name} | {med:.1f} | {med - base['median']:+.1f} | {low:.1f} | "
-              f"{low - base['min']:+.1f} |")
+        print(
+            f"| {name} | {med:.1f} | {med - base['median']:+.1f} | {low:.1f} | "
+            f"{low - base['min']:+.1f} |"
+        )
     dist.destroy_process_group()
 
 

@@ -16,6 +16,7 @@ time here except in the waits; a wait is where a rank idles until the other stag
 
 The timers cost about 2 us a call; compare segments, not the wall time, with pp_overhead.py.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -29,8 +30,9 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks this one builds on
 
-from distgrad.engines.pipeline import checks, direct, messages
 from pp_overhead import setup
+
+from distgrad.engines.pipeline import checks, direct, messages
 
 _SPANS: list = []  # (segment, CPU ns) while a step is recorded
 _ON = [False]
@@ -62,6 +64,7 @@ def _timed(fn, segment):
             return fn(*args, **kwargs)
         finally:
             _SPANS.append((segment, _cpu() - start))
+
     return timed
 
 
@@ -95,8 +98,10 @@ def main() -> int:
             print("| segment | " + " | ".join(fns) + " |")
             print("|---|" + "---:|" * len(fns))
             for segment in names:
-                cells = [statistics.median([s.get(segment, 0) for s in per_rank[name]]) / 1e3
-                         for name in fns]
+                cells = [
+                    statistics.median([s.get(segment, 0) for s in per_rank[name]]) / 1e3
+                    for name in fns
+                ]
                 if any(cells):
                     print(f"| {segment} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
     dist.destroy_process_group()

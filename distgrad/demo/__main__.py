@@ -6,6 +6,7 @@ data-parallel engine (``data_parallel.py``), tensor parallelism (``tensor_parall
 pipeline schedule (``pipeline.py``). ``--check`` compares every number with plain autograd on
 one process and exits non-zero on a mismatch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,12 +19,16 @@ PIPELINE = ("pp-gpipe", "pp-1f1b", "pp-interleaved", "deepspeed-pipe")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distgrad.demo",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m distgrad.demo", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--check", action="store_true", help="compare with plain autograd")
-    parser.add_argument("--engine", default="local",
-                        choices=("local",) + DATA_PARALLEL + ("tp",) + PIPELINE,
-                        help="local (one process); under a launcher: the others")
+    parser.add_argument(
+        "--engine",
+        default="local",
+        choices=("local",) + DATA_PARALLEL + ("tp",) + PIPELINE,
+        help="local (one process); under a launcher: the others",
+    )
     parser.add_argument("--steps", type=int, default=3, help="fine-tuning steps (parallel engines)")
     parser.add_argument("--ds-config", default=None, help="DeepSpeed JSON (zero1/2/3 engines)")
     args, _ = parser.parse_known_args(argv)  # launchers may add their own flags

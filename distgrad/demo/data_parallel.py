@@ -8,12 +8,14 @@ SGD steps. Rank 0 prints a per-layer table of saved gradient norms (global batch
 ``--check`` rank 0 replays the same steps on one process with plain autograd on the global
 batch and exits non-zero on any mismatch (fp32, atol 1e-5).
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 import distgrad
+
 from .models import build_gpt2
 from .ranks import device, end_job, start_process_group, wrap_with_engine
 
@@ -36,7 +38,7 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
         step_batches = batches(steps, world)
         tables = []
         for ids in step_batches:
-            local = ids[2 * rank: 2 * rank + 2].to(device())
+            local = ids[2 * rank : 2 * rank + 2].to(device())
             with model.trace(local):
                 acts = [model.transformer.h[i].output for i in range(len(model.transformer.h))]
                 loss = model.output.logits.sum() * SCALE
@@ -50,8 +52,11 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
                 opt.zero_grad(set_to_none=True)
             tables.append([g.norm().item() for g in grads])  # .item(): tables live on the CPU
         if rank == 0:
-            print(f"engine {engine}, {world} ranks, {steps} steps; saved gradient norms (global batch):")
-            print("step " + "".join(f"{'h[%d]' % i:>12}" for i in range(len(tables[0]))))
+            print(
+                f"engine {engine}, {world} ranks, {steps} steps; "
+                "saved gradient norms (global batch):"
+            )
+            print("step " + "".join(f"{f'h[{i}]':>12}" for i in range(len(tables[0]))))
             for s, row in enumerate(tables):
                 print(f"{s:4} " + "".join(f"{v:12.6f}" for v in row))
         bad = 0
@@ -60,12 +65,21 @@ def run(engine: str, steps: int, check: bool, ds_config: str | None = None) -> i
             full = full_weight(wrapped, weight).cpu()  # the reference runs on the CPU
             if rank == 0:
                 ref_tables, ref_weight = reference(step_batches, world)
-                ok = all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
-                         for a, b in zip(tables, ref_tables))
-                ok = ok and full.numel() == ref_weight.numel() and torch.allclose(
-                    full.reshape(ref_weight.shape), ref_weight, atol=1e-5, rtol=0)
-                print("check against one process, plain autograd, global batch:",
-                      "OK" if ok else "MISMATCH")
+                ok = all(
+                    torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+                    for a, b in zip(tables, ref_tables)
+                )
+                ok = (
+                    ok
+                    and full.numel() == ref_weight.numel()
+                    and torch.allclose(
+                        full.reshape(ref_weight.shape), ref_weight, atol=1e-5, rtol=0
+                    )
+                )
+                print(
+                    "check against one process, plain autograd, global batch:",
+                    "OK" if ok else "MISMATCH",
+                )
                 bad = 0 if ok else 1
         return bad
     finally:
@@ -82,6 +96,7 @@ def full_weight(wrapped, weight):
     if hasattr(weight, "full_tensor"):
         return weight.full_tensor()
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # slow: FSDP1 only
+
     if isinstance(wrapped, FSDP):
         with FSDP.summon_full_params(wrapped):
             return weight.param.detach().clone()

@@ -5,6 +5,7 @@ Runs the README program on the tiny GPT-2 of ``models.build_gpt2``: capture the 
 the edit changed. ``--check`` also runs the same step with plain autograd and exits non-zero if
 any number differs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,6 +36,7 @@ def autograd_step(net, tokenizer, factor: float):
         def on_grad(grad):
             seen["grad"] = grad.clone()
             return grad * factor
+
         out.register_hook(on_grad)
 
     handle = net.transformer.h[0].register_forward_hook(on_output)
@@ -62,8 +64,10 @@ def run(check: bool) -> int:
     changed = [n for n in grads if not torch.allclose(grads[n], plain[n], atol=1e-6)]
     for name in changed:
         print(f"{name:40} {grads[name].norm():20.6f} {plain[name].norm():20.6f}")
-    print(f"\n{len(changed)} of {len(grads)} parameter gradients changed by the edit "
-          "(upstream of h[0]); the rest are unchanged.")
+    print(
+        f"\n{len(changed)} of {len(grads)} parameter gradients changed by the edit "
+        "(upstream of h[0]); the rest are unchanged."
+    )
     if not check:
         return 0
     ref_g, ref = autograd_step(net, tokenizer, 2.0)

@@ -13,6 +13,7 @@ A leaf: it imports nothing of the demos. transformers (2 to 3 s), torch.distribu
 (about 1 s) and torch.distributed.tensor are imported inside the functions that need them, so
 that a job using only the MLP, or only one process, does not pay for them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,6 +25,7 @@ from torch import nn
 def build_gpt2(n_layer: int = 2) -> nn.Module:
     """A tiny GPT-2 (d_model 64, 2 heads, a 384-token vocabulary) in eval mode, seed 0."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     # the tiny vocabulary makes the config warn about its bos/eos ids
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(0)
@@ -33,16 +35,25 @@ def build_gpt2(n_layer: int = 2) -> nn.Module:
 def build_tokenizer():
     """ByT5's byte-level tokenizer: no vocabulary file to download, ids below 384."""
     from transformers import ByT5Tokenizer
+
     return ByT5Tokenizer()
 
 
 def build_llama(layers: int = 2) -> nn.Module:
     """A tiny Llama (d_model 64, 4 heads, 2 key-value heads, untied head) in eval mode, seed 0."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=384,
-                         max_position_embeddings=64, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=384,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).float().eval()
 
@@ -55,26 +66,50 @@ def parallelize_llama(model: nn.Module, mesh, sequence_parallel: bool = False) -
     ``SequenceParallel``); HF Llama then needs ``position_ids`` passed explicitly, because it
     derives them from the (local) sequence length."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
     out = Shard(1) if sequence_parallel else Replicate()
-    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=out),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=out)}
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=out),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=out),
+    }
     if sequence_parallel:
-        parallelize_module(model, mesh, {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "model.norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
-        plan.update({
-            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-            # HF passes the attention's input by keyword only
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+        parallelize_module(
+            model,
+            mesh,
+            {
+                "model.embed_tokens": RowwiseParallel(
+                    input_layouts=Replicate(), output_layouts=Shard(1)
+                ),
+                "model.norm": SequenceParallel(),
+                "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            },
+        )
+        plan.update(
+            {
+                "input_layernorm": SequenceParallel(),
+                "post_attention_layernorm": SequenceParallel(),
+                # HF passes the attention's input by keyword only
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
+        )
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
     return model
@@ -85,8 +120,9 @@ class Net(nn.Module):
 
     def __init__(self, width: int = 8, blocks: int = 4):
         super().__init__()
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(width, width), nn.Tanh())
-                                     for _ in range(blocks)])
+        self.layers = nn.ModuleList(
+            [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)]
+        )
 
     def forward(self, x):
         for layer in self.layers:
@@ -126,14 +162,19 @@ def layers_of(net: Net, rank: int, world: int, interleaved: bool = False) -> lis
 def stage_of(net: Net, rank: int, world: int):
     """``rank``'s one stage: its contiguous share of the blocks, on the CPU."""
     from torch.distributed.pipelining import PipelineStage
+
     per = len(net.layers) // world
-    return PipelineStage(Blocks(net.layers[rank * per:(rank + 1) * per]), rank, world,
-                         torch.device("cpu"))
+    return PipelineStage(
+        Blocks(net.layers[rank * per : (rank + 1) * per]), rank, world, torch.device("cpu")
+    )
 
 
 def interleaved_stages(net: Net, rank: int, world: int) -> list:
     """One stage per block, round robin over the ranks."""
     from torch.distributed.pipelining import PipelineStage
+
     n = len(net.layers)
-    return [PipelineStage(Blocks(net.layers[s:s + 1]), s, n, torch.device("cpu"))
-            for s in layers_of(net, rank, world, interleaved=True)]
+    return [
+        PipelineStage(Blocks(net.layers[s : s + 1]), s, n, torch.device("cpu"))
+        for s in layers_of(net, rank, world, interleaved=True)
+    ]

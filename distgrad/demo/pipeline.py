@@ -11,6 +11,7 @@ reaching each block and halves the one reaching ``layers[1]``. Rank 0 prints a t
 saved gradients' norms (whole batch). ``--check`` replays the steps on one process, unsplit,
 and compares the saved gradients and the trained weights (fp32, atol 1e-5).
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,13 +35,21 @@ def deepspeed_pipeline(net: Net, world: int):
     """The same blocks as a DeepSpeed PipelineModule; its train_batch steps the optimizer."""
     import deepspeed  # optional
     from deepspeed.pipe import PipelineModule
-    pipe = PipelineModule(layers=list(net.layers), num_stages=world, loss_fn=nn.MSELoss(),
-                          partition_method="uniform")
-    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8 // MICROBATCHES,
-              "gradient_accumulation_steps": MICROBATCHES, "steps_per_print": 10 ** 6,
-              "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}}
-    engine, *_ = deepspeed.initialize(model=pipe, config=config,
-                                      optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1))
+
+    pipe = PipelineModule(
+        layers=list(net.layers), num_stages=world, loss_fn=nn.MSELoss(), partition_method="uniform"
+    )
+    config = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 8 // MICROBATCHES,
+        "gradient_accumulation_steps": MICROBATCHES,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 0},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=pipe, config=config, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)
+    )
     return engine
 
 
@@ -48,9 +57,11 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
     # here, not at the top: about 1 s to import, which the other demos need not pay (deepspeed
     # is optional: imported only for deepspeed-pipe)
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
     deepspeed = schedule_name == "deepspeed-pipe"
     if deepspeed:
         import deepspeed as ds
+
         ds.init_distributed(dist_backend="gloo")
     else:
         dist.init_process_group("gloo")
@@ -60,19 +71,26 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
         if deepspeed:
             model = distgrad.wrap(deepspeed_pipeline(net, world), full_model=net)
         elif schedule_name == "pp-interleaved":
-            schedule = ScheduleInterleaved1F1B(interleaved_stages(net, rank, world),
-                                               n_microbatches=MICROBATCHES, loss_fn=nn.MSELoss())
+            schedule = ScheduleInterleaved1F1B(
+                interleaved_stages(net, rank, world),
+                n_microbatches=MICROBATCHES,
+                loss_fn=nn.MSELoss(),
+            )
             model = distgrad.wrap(schedule, full_model=net)
         else:
             kind = {"pp-gpipe": ScheduleGPipe, "pp-1f1b": Schedule1F1B}[schedule_name]
-            schedule = kind(stage_of(net, rank, world), n_microbatches=MICROBATCHES,
-                            loss_fn=nn.MSELoss())
+            schedule = kind(
+                stage_of(net, rank, world), n_microbatches=MICROBATCHES, loss_fn=nn.MSELoss()
+            )
             model = distgrad.wrap(schedule, full_model=net)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         tables = []
         for x, y in batches(steps):
-            inputs = ((list(zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))),), {}) if deepspeed \
+            inputs = (
+                ((list(zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))),), {})
+                if deepspeed
                 else ((x,), {"target": y})
+            )
             with model.trace(*inputs[0], **inputs[1]) as tr:
                 acts = [model.layers[i].output for i in range(len(net.layers))]
                 with tr.loss.backward():
@@ -88,10 +106,12 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
         if rank == 0:
             scale = "the whole batch's mean loss" if deepspeed else "each microbatch's own loss"
             stages = len(net.layers) if schedule_name == "pp-interleaved" else world
-            print(f"engine {schedule_name}, {stages} stages on {world} ranks, {MICROBATCHES} "
-                  f"microbatches, {steps} "
-                  f"steps; norms of the saved gradients ({scale}):")
-            print("step " + "".join(f"{'layers[%d]' % i:>12}" for i in range(len(tables[0]))))
+            print(
+                f"engine {schedule_name}, {stages} stages on {world} ranks, {MICROBATCHES} "
+                f"microbatches, {steps} "
+                f"steps; norms of the saved gradients ({scale}):"
+            )
+            print("step " + "".join(f"{f'layers[{i}]':>12}" for i in range(len(tables[0]))))
             for s, row in enumerate(tables):
                 print(f"{s:4} " + "".join(f"{v:12.6f}" for v in row))
         if not check:
@@ -100,14 +120,18 @@ def run(schedule_name: str, steps: int, check: bool) -> int:
         mine = layers_of(net, rank, world, interleaved=schedule_name == "pp-interleaved")
         own = [p for i in mine for p in net.layers[i].parameters()]
         want = [p for i in mine for p in ref.layers[i].parameters()]
-        ok = all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
-                 for a, b in zip(tables, ref_tables))
+        ok = all(
+            torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+            for a, b in zip(tables, ref_tables)
+        )
         ok = ok and all(torch.allclose(p, q, atol=1e-5, rtol=0) for p, q in zip(own, want))
         verdict = torch.tensor([int(ok)])
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN)  # every stage checks its own weights
         if rank == 0:
-            print("check against one process, unsplit, plain autograd:",
-                  "OK" if verdict.item() else "MISMATCH")
+            print(
+                "check against one process, unsplit, plain autograd:",
+                "OK" if verdict.item() else "MISMATCH",
+            )
         return 0 if verdict.item() else 1
     finally:
         model = schedule = net = opt = None  # (see end_job)

@@ -4,6 +4,7 @@ process group for a data-parallel engine, the tiny GPT-2 under that engine, and 
 Imported in the functions, for the engines that use them only: accelerate and
 deepspeed (optional), torch.distributed.fsdp (about half a second) and transformers' GPT2Block.
 """
+
 from __future__ import annotations
 
 import gc
@@ -39,6 +40,7 @@ def start_process_group(engine: str) -> None:
     dist.init_process_group(backend)
     if engine.startswith("zero"):
         import deepspeed
+
         deepspeed.init_distributed(dist_backend=backend)
 
 
@@ -48,12 +50,14 @@ def wrap_with_engine(engine: str, net, lr: float = 0.1, ds_config: str | None = 
     here = device()
     if engine == "accelerate":
         from accelerate import Accelerator
+
         accelerator = Accelerator(cpu=here.type == "cpu")
         return accelerator.prepare(net), {"accelerator": accelerator}
     world = dist.get_world_size()
     net = net.to(here)
     if engine.startswith("zero"):
         import deepspeed
+
         with open(ds_config or os.path.join(LAUNCH_DIR, f"{engine}.json")) as f:
             config = json.load(f)
         optimizer = torch.optim.SGD(net.parameters(), lr=lr)
@@ -61,9 +65,11 @@ def wrap_with_engine(engine: str, net, lr: float = 0.1, ds_config: str | None = 
         return ds_engine, {"deepspeed": True}
     if engine == "ddp":
         return DistributedDataParallel(
-            net, device_ids=None if here.type == "cpu" else [here.index]), {}
+            net, device_ids=None if here.type == "cpu" else [here.index]
+        ), {}
     if engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh(here.type, (world,))
         for block in net.transformer.h:
             fully_shard(block, mesh=mesh)
@@ -72,9 +78,16 @@ def wrap_with_engine(engine: str, net, lr: float = 0.1, ds_config: str | None = 
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-        return FullyShardedDataParallel(net, use_orig_params=True, device_id=here,
-                                        auto_wrap_policy=ModuleWrapPolicy({GPT2Block})), {}
-    raise SystemExit(f"--engine {engine}: use ddp, fsdp1, fsdp2, accelerate, zero1, zero2 or zero3.")
+
+        return FullyShardedDataParallel(
+            net,
+            use_orig_params=True,
+            device_id=here,
+            auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
+        ), {}
+    raise SystemExit(
+        f"--engine {engine}: use ddp, fsdp1, fsdp2, accelerate, zero1, zero2 or zero3."
+    )
 
 
 def end_job() -> None:

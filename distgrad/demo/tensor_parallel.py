@@ -1,4 +1,5 @@
-"""The main job under tensor parallelism: ``torchrun --nproc_per_node 2 -m distgrad.demo --engine tp``.
+"""The main job under tensor parallelism:
+``torchrun --nproc_per_node 2 -m distgrad.demo --engine tp``.
 
 A tiny Llama (HF's GPT-2 uses Conv1D, which torch's tensor parallel styles do not split) is
 split over all ranks with ``models.parallelize_llama``: attention and MLP projections column- then
@@ -7,6 +8,7 @@ layer and the (column-sharded) output of layer 0's ``up_proj`` seen whole, and h
 reaching layer 0; SGD steps. ``--check`` replays the steps on one process, unsplit, and compares
 the saved gradients and the trained weights (fp32, atol 1e-5).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import distgrad
+
 from .models import build_llama, parallelize_llama
 from .ranks import end_job
 
@@ -59,8 +62,11 @@ def reference_steps(ids_list):
 
         ups = []
         hooks = [layer.register_forward_hook(keep) for layer in net.model.layers]
-        hooks.append(net.model.layers[0].mlp.up_proj.register_forward_hook(
-            lambda m, a, out: ups.append(out.detach())))
+        hooks.append(
+            net.model.layers[0].mlp.up_proj.register_forward_hook(
+                lambda m, a, out: ups.append(out.detach())
+            )
+        )
         loss = net(ids).logits.sum() * SCALE
         for h in hooks:
             h.remove()
@@ -86,16 +92,23 @@ def run(steps: int, check: bool) -> int:
         weight = model.model.layers[0].mlp.up_proj.weight.full_tensor()  # every rank gathers
         if rank == 0:
             print(f"engine tp, {world} ranks, {steps} steps; norms of the saved values:")
-            print("step " + f"{'up_proj out':>12}" +
-                  "".join(f"{'grad l[%d]' % i:>12}" for i in range(len(tables[0]) - 1)))
+            print(
+                "step "
+                + f"{'up_proj out':>12}"
+                + "".join(f"{f'grad l[{i}]':>12}" for i in range(len(tables[0]) - 1))
+            )
             for s, row in enumerate(tables):
                 print(f"{s:4} " + "".join(f"{v:12.6f}" for v in row))
         if not check or rank != 0:
             return 0
         ref_tables, ref = reference_steps(ids_list)
-        ok = all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
-                 for a, b in zip(tables, ref_tables))
-        ok = ok and torch.allclose(weight, ref.model.layers[0].mlp.up_proj.weight, atol=1e-5, rtol=0)
+        ok = all(
+            torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+            for a, b in zip(tables, ref_tables)
+        )
+        ok = ok and torch.allclose(
+            weight, ref.model.layers[0].mlp.up_proj.weight, atol=1e-5, rtol=0
+        )
         print("check against one process, unsplit, plain autograd:", "OK" if ok else "MISMATCH")
         return 0 if ok else 1
     finally:

@@ -6,6 +6,7 @@ where hook values are sharded across ranks); ``select`` picks the one for a wrap
 * ``ranks/``: what every multi-process engine shares (ranks, failure, the end-of-trace gather);
 * ``pipeline/``: pipeline parallelism (torch's schedules and DeepSpeed's pipeline engine).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,9 @@ from .local import LocalEngine
 from .pipeline import DeepSpeedPipeEngine, PipelineEngine
 
 
-def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None, *,
-           inner: bool = False) -> Engine:
+def select(
+    obj, accelerator=None, tp_shards: dict | None = None, full_model=None, *, inner: bool = False
+) -> Engine:
     """The engine for what the user wrapped: DDP, FSDP1, FSDP2 (``fully_shard``), a model
     prepared by accelerate (with its ``accelerator``), a model split by ``parallelize_module``
     (alone or under ``fully_shard``), or a plain module. ``inner``: choosing the engine under
@@ -49,8 +51,10 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
         if parallel:
             return tensor_parallel.select_engine(obj, parallel, tp_shards)
     if tp_shards:
-        raise ValueError("distgrad.wrap(..., tp_shards=...) is for models split with "
-                         "parallelize_module, and this one is not.")
+        raise ValueError(
+            "distgrad.wrap(..., tp_shards=...) is for models split with "
+            "parallelize_module, and this one is not."
+        )
     if accelerator is not None:
         return AccelerateEngine(obj, accelerator, select(obj, inner=True))
     if type(obj).__name__ == "PipelineEngine" and type(obj).__module__.startswith("deepspeed"):
@@ -61,8 +65,10 @@ def select(obj, accelerator=None, tp_shards: dict | None = None, full_model=None
         return DDPEngine(obj)
     # torch.distributed.fsdp takes half a second to import: only when a model may use it
     from torch.distributed.fsdp import FullyShardedDataParallel
+
     if isinstance(obj, FullyShardedDataParallel):
         from .fsdp1 import FSDP1Engine  # (imports torch.distributed.fsdp)
+
         return FSDP1Engine(obj)
     if is_fully_sharded(obj):
         return FSDP2Engine(obj)
@@ -76,6 +82,15 @@ def _is_pipeline_schedule(obj) -> bool:
     return schedule_class is not None and isinstance(obj, schedule_class)
 
 
-__all__ = ["Engine", "LocalEngine", "DDPEngine", "FSDP2Engine", "AccelerateEngine",
-           "DeepSpeedEngineAdapter", "PipelineEngine", "DeepSpeedPipeEngine", "select",
-           "is_fully_sharded"]
+__all__ = [
+    "Engine",
+    "LocalEngine",
+    "DDPEngine",
+    "FSDP2Engine",
+    "AccelerateEngine",
+    "DeepSpeedEngineAdapter",
+    "PipelineEngine",
+    "DeepSpeedPipeEngine",
+    "select",
+    "is_fully_sharded",
+]

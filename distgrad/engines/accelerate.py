@@ -18,6 +18,7 @@
   ``accelerate launch``) runs each process alone (``DistributedType.NO``): every rank trains on
   its own data, unsynchronised. distgrad refuses that combination with the fix in the message.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,6 +33,7 @@ class AccelerateEngine(Engine):
     def __init__(self, wrapped, accelerator, inner: Engine):
         super().__init__(wrapped)
         from accelerate.utils import DistributedType
+
         world = int(os.environ.get("WORLD_SIZE", "1"))
         kind = accelerator.distributed_type if accelerator is not None else None
         if world > 1 and kind == DistributedType.NO:
@@ -39,7 +41,8 @@ class AccelerateEngine(Engine):
                 f"distgrad.wrap(..., accelerator=...): this process is one of {world} "
                 "(WORLD_SIZE) but the Accelerator is not distributed (DistributedType.NO), so "
                 "the ranks would train unsynchronised. On CPU create it as "
-                "Accelerator(cpu=True) under torchrun, or use `accelerate launch --multi_gpu`.")
+                "Accelerator(cpu=True) under torchrun, or use `accelerate launch --multi_gpu`."
+            )
         self.accelerator = accelerator
         self.inner = inner
 
@@ -101,7 +104,8 @@ class PreparedWithoutAccelerator(AccelerateEngine):
     own_backward = False  # a plain backward (refuse_if_backward_differs)
 
     def backward(self, tensor, fn, args, kwargs):
-        refuse_if_backward_differs()  # the steps can change after wrap (a setter on the Accelerator)
+        # the steps can change after wrap (a setter on the Accelerator)
+        refuse_if_backward_differs()
         if isinstance(self.inner, DDPEngine):
             self.inner.before_backward()
         return fn(tensor, *args, **kwargs)
@@ -112,15 +116,21 @@ def refuse_if_backward_differs() -> None:
     from accelerate's shared state (accelerator.py's ``backward`` in accelerate 1.x)."""
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DistributedType
+
     why = None
     if not AcceleratorState._shared_state or not GradientState._shared_state:
-        why = "accelerate's state has been reset since, so distgrad cannot tell what its backward does"
+        why = (
+            "accelerate's state has been reset since, so distgrad cannot tell what its "
+            "backward does"
+        )
     else:
         state = AcceleratorState()
         steps = GradientState().num_steps
         if steps != 1:
-            why = (f"gradient_accumulation_steps={steps}: accelerator.backward(loss) divides the "
-                   f"loss by {steps}")
+            why = (
+                f"gradient_accumulation_steps={steps}: accelerator.backward(loss) divides the "
+                f"loss by {steps}"
+            )
         elif state.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
             why = f"accelerator.backward runs {state.distributed_type.value}'s own backward"
         elif state.mixed_precision == "fp16":
@@ -129,4 +139,5 @@ def refuse_if_backward_differs() -> None:
         raise ValueError(
             "distgrad.wrap(model) got a model prepared by accelerate but no accelerator, and "
             f"{why}, which a plain loss.backward() would not. Pass the Accelerator: "
-            "distgrad.wrap(model, accelerator=accelerator).")
+            "distgrad.wrap(model, accelerator=accelerator)."
+        )

@@ -8,6 +8,7 @@ single-process engine is ``local.py``. An engine that runs the trace body itself
 (``captures_body``) serves the body's requests through the core's own seam: each body it runs
 holds an ``interleave.requests.Requests`` of the engine's making.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -14,6 +14,7 @@
   error). distgrad raises before the second backward runs, unless the forward ran inside
   ``no_sync()`` (no backward of it reduces: every rank keeps its own sums, as intended).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ class DDPEngine(DistributedEngine):
     def __init__(self, wrapped, *args, **kwargs):
         super().__init__(wrapped, *args, **kwargs)
         self.reducing = False  # the last forward prepared DDP's reducer
-        self.backwards = 0     # backward blocks run since that forward
+        self.backwards = 0  # backward blocks run since that forward
 
     @property
     def model(self) -> torch.nn.Module:
@@ -58,4 +59,5 @@ class DDPEngine(DistributedEngine):
                 f"block on the sum of the losses (`with (loss1 + loss2).backward():`), or run "
                 f"the trace inside `with ddp.no_sync():` (no block reduces; a later backward "
                 f"outside no_sync() reduces the accumulated gradients, or all-reduce them "
-                f"yourself).")
+                f"yourself)."
+            )

@@ -18,6 +18,7 @@
   (the reduced gradient, on every rank). They exist between ``engine.backward`` and
   ``engine.step()``, which consumes and clears them: record before the step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,12 +35,12 @@ class DeepSpeedEngineAdapter(DistributedEngine):
     def model(self) -> torch.nn.Module:
         return self.wrapped.module
 
-
     def backward(self, tensor, fn, args, kwargs):
         if args or "gradient" in kwargs:
             raise NotImplementedError(
                 "DeepSpeed's engine.backward(loss) takes a scalar loss: open the block on one "
-                "(`with loss.backward():`) without gradient=.")
+                "(`with loss.backward():`) without gradient=."
+            )
         return self.wrapped.backward(tensor, **kwargs)
 
     def param(self, param, path):
@@ -66,6 +67,7 @@ def local_grad(param):
         return None  # a plain gradient (the caller's)
     if hasattr(param, "ds_id"):  # ZeRO-3: this rank's partition
         from deepspeed.utils import safe_get_local_grad
+
         return safe_get_local_grad(param)
     mapping = getattr(param, "_hp_mapping", None)
     if mapping is None:  # ZeRO-1/2: no element of it in this rank's partition
@@ -88,17 +90,20 @@ class ZeroParam:
     @property
     def grad(self):
         from deepspeed.utils import safe_get_full_grad
+
         self.agree(f"{self.path}.grad")
         return safe_get_full_grad(self.param)
 
     @grad.setter
     def grad(self, value):
         from deepspeed.utils import safe_set_full_grad
+
         self.agree(f"{self.path}.grad = ...")
         safe_set_full_grad(self.param, value)
 
     def full_tensor(self):
         from deepspeed.utils import safe_get_full_fp32_param
+
         return safe_get_full_fp32_param(self.param)
 
     def __getattr__(self, name):

@@ -19,6 +19,7 @@
   rank. With ``use_orig_params=False`` a block's parameters are gone into flat parameters and
   distgrad.flow refuses.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,7 +63,8 @@ class FSDP1Engine(DistributedEngine):
                 "distgrad.flow: this FSDP1 model was wrapped with use_orig_params=False, which "
                 "folds each block's parameters into flat parameters spanning several of them; "
                 "wrap it with FullyShardedDataParallel(..., use_orig_params=True) (the same "
-                "training) for per-layer parameter-gradient norms.")
+                "training) for per-layer parameter-gradient norms."
+            )
 
     def grad_pieces(self, module):
         self.refuse_flow()
@@ -71,7 +73,8 @@ class FSDP1Engine(DistributedEngine):
             raise ValueError(
                 "distgrad.flow: step() after a backward inside no_sync(): FSDP1 keeps the "
                 "accumulated gradients unsharded on each rank until a backward outside "
-                "no_sync() reduces them. Call step() after the synchronising backward.")
+                "no_sync() reduces them. Call step() after the synchronising backward."
+            )
         # a shard: each element on one rank of its group, other groups (hybrid) hold copies
         copies = max(self.job_world // group, 1) if sharded else self.job_world
         return [(p.grad, copies) for p in module.parameters() if p.grad is not None]
@@ -98,8 +101,10 @@ class FullParam:
         self.refuse_unsharded(".grad = ...")
         with FSDP.summon_full_params(self.root, with_grads=True, writeback=True):
             if self.param.grad is None or value is None:
-                raise ValueError(f"{self.path}.grad = ...: FSDP1 can only overwrite an existing "
-                                 "gradient; assign after the backward.")
+                raise ValueError(
+                    f"{self.path}.grad = ...: FSDP1 can only overwrite an existing "
+                    "gradient; assign after the backward."
+                )
             self.param.grad.copy_(value)
 
     def refuse_unsharded(self, what: str) -> None:
@@ -110,7 +115,8 @@ class FullParam:
                 f"accumulated gradients unsharded on each rank until a backward outside "
                 f"no_sync() reduces them, and cannot gather them whole before that. Read "
                 f"parameter gradients after the synchronising backward (the last micro-batch "
-                f"of the accumulation).")
+                f"of the accumulation)."
+            )
 
     def __getattr__(self, name):
         return getattr(self.param, name)

@@ -8,6 +8,7 @@
   distgrad returns ``grad.full_tensor()`` (an all-gather: call it on every rank) and assigning a
   full tensor stores this rank's shard of it.
 """
+
 from __future__ import annotations
 
 from .ranks import DistributedEngine
@@ -50,15 +51,19 @@ class ShardedParam:
     @grad.setter
     def grad(self, value):
         from torch.distributed.tensor import distribute_tensor
+
         if value is None:
             self.param.grad = None
             return
         if tuple(value.shape) != tuple(self.param.shape):
-            raise ValueError(f"{self.path}.grad = ...: expected the full shape "
-                             f"{list(self.param.shape)}, got {list(value.shape)}.")
+            raise ValueError(
+                f"{self.path}.grad = ...: expected the full shape "
+                f"{list(self.param.shape)}, got {list(value.shape)}."
+            )
         self.agree(f"{self.path}.grad = ...")
-        self.param.grad = distribute_tensor(value.detach().to(self.param.dtype),
-                                            self.param.device_mesh, self.param.placements)
+        self.param.grad = distribute_tensor(
+            value.detach().to(self.param.dtype), self.param.device_mesh, self.param.placements
+        )
 
     def full_tensor(self):
         return self.param.full_tensor()

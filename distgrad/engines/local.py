@@ -1,4 +1,5 @@
 """One process, plain PyTorch: the module is its own wrapper."""
+
 from __future__ import annotations
 
 import torch

@@ -27,6 +27,7 @@ shard as the module returned it, with no communication.
 Parameter gradients: tensor-parallel weights are DTensors; ``.grad`` through distgrad is the full
 gradient (``full_tensor()``) and assignment stores this rank's part, as with FSDP2.
 """
+
 from __future__ import annotations
 
 import torch
@@ -92,11 +93,13 @@ def find_parallel_modules(model: torch.nn.Module) -> dict:
 # -- whole values and shards -----------------------------------------------------------------
 def _dtensor():
     from torch.distributed.tensor import DTensor
+
     return DTensor
 
 
 def _norm(placement, ndim: int):
     from torch.distributed.tensor import Shard
+
     if placement.is_shard() and placement.dim < 0:
         return Shard(placement.dim + ndim)
     return placement
@@ -146,10 +149,11 @@ class TensorParallelViews(ShardViews):
         self.parallel = parallel
         self.mesh = next(iter(parallel.values()))[0]
         from torch.distributed.tensor import Shard
+
         for module, dim in (shards or {}).items():
             self.parallel[module] = (self.mesh, Shard(dim))
         self.sources: dict = {}  # id(whole) -> (whole, tensor that flows on, how it is split)
-        self.agreement = None    # an Agreement where the mesh is on the CPU (select_engine)
+        self.agreement = None  # an Agreement where the mesh is on the CPU (select_engine)
 
     def clear(self) -> None:
         """Let go of the trace's whole values and the shards they came from."""
@@ -168,12 +172,14 @@ class TensorParallelViews(ShardViews):
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, DTensor):
                 split = (leaf.device_mesh, tuple(leaf.placements), True, leaf.shape, leaf.stride())
-                whole = self._gathered(leaf.to_local(), split[0], split[1], label,
-                                       lambda: leaf.full_tensor().clone())  # editable (_whole)
+                whole = self._gathered(
+                    leaf.to_local(), split[0], split[1], label, lambda: leaf.full_tensor().clone()
+                )  # editable (_whole)
             elif plain is not None and isinstance(leaf, torch.Tensor):
                 split = (self.mesh, (plain,), False, None, None)
-                whole = self._gathered(leaf, self.mesh, split[1], label,
-                                       lambda: _whole(leaf, self.mesh, split[1]))
+                whole = self._gathered(
+                    leaf, self.mesh, split[1], label, lambda: _whole(leaf, self.mesh, split[1])
+                )
             else:
                 continue
             shown[i] = whole
@@ -201,7 +207,8 @@ class TensorParallelViews(ShardViews):
                     f"{label} = ...: under tensor parallelism a replacement must have the "
                     f"structure of the value it replaces, so that distgrad can cut it back to "
                     f"shards; it was {spec}, the replacement is {reply_spec}. Replace the tensors "
-                    f"inside it instead (e.g. out = list(value); out[0] = ...; assign tuple(out)).")
+                    f"inside it instead (e.g. out = list(value); out[0] = ...; assign tuple(out))."
+                )
         out = list(new_leaves)
         for i, _, _, split in converted:
             new = new_leaves[i]
@@ -214,8 +221,9 @@ class TensorParallelViews(ShardViews):
         mesh, placements, is_dtensor, shape, stride = split
         piece = _piece(whole, mesh, placements)
         if is_dtensor:
-            return _dtensor().from_local(piece, mesh, placements, run_check=False,
-                                         shape=shape, stride=stride)
+            return _dtensor().from_local(
+                piece, mesh, placements, run_check=False, shape=shape, stride=stride
+            )
         return piece
 
     def output_holders(self, module) -> list[int] | None:
@@ -240,18 +248,25 @@ class TensorParallelViews(ShardViews):
         with torch.no_grad():
             if isinstance(grad, _dtensor()):
                 split = (grad.device_mesh, tuple(grad.placements), True, grad.shape, grad.stride())
-                return self._gathered(grad.to_local(), split[0], split[1], label,
-                                      grad.full_tensor), split
-            return self._gathered(grad, mesh, placements, label,
-                                  lambda: _whole(grad, mesh, placements)), split
+                return self._gathered(
+                    grad.to_local(), split[0], split[1], label, grad.full_tensor
+                ), split
+            return self._gathered(
+                grad, mesh, placements, label, lambda: _whole(grad, mesh, placements)
+            ), split
 
     def _gathered(self, local: torch.Tensor, mesh, placements, label: str, otherwise):
         """The whole of a shard through the agreement's one collective, which also checks that
         every rank is at this value (ranks/agreement.py). Where the mesh is not on the CPU or the
         value is not one shard of a 1-D mesh: an agreement (on the CPU), then ``otherwise()``
         (DTensor's gather)."""
-        if (self.agreement is None or len(placements) != 1 or not placements[0].is_shard()
-                or mesh != self.mesh or local.dim() == 0):
+        if (
+            self.agreement is None
+            or len(placements) != 1
+            or not placements[0].is_shard()
+            or mesh != self.mesh
+            or local.dim() == 0
+        ):
             self._agree(label)
             return otherwise()
         coord = mesh.get_local_rank()
@@ -293,9 +308,11 @@ def select_engine(obj: torch.nn.Module, parallel: dict, shards: dict | None):
         try:
             named[model.get_submodule(name)] = dim
         except AttributeError:
-            raise ValueError(f"distgrad.wrap(..., tp_shards={{{name!r}: {dim}}}): the model has "
-                             f"no module {name!r}; use names as model.named_modules() gives "
-                             f"them, e.g. 'model.layers.0'.") from None
+            raise ValueError(
+                f"distgrad.wrap(..., tp_shards={{{name!r}: {dim}}}): the model has "
+                f"no module {name!r}; use names as model.named_modules() gives "
+                f"them, e.g. 'model.layers.0'."
+            ) from None
     views = TensorParallelViews(parallel, named)
     if isinstance(obj, DistributedDataParallel):
         engine = DDPEngine(obj)
@@ -326,4 +343,5 @@ def _data_group(model: torch.nn.Module, tp_mesh):
     raise NotImplementedError(
         "distgrad found tensor parallelism under fully_shard but could not tell the data-parallel "
         "dimension of the mesh: build it with init_device_mesh(..., mesh_dim_names=('dp', 'tp')) "
-        "and shard with fully_shard(model, mesh=mesh['dp']).")
+        "and shard with fully_shard(model, mesh=mesh['dp'])."
+    )

@@ -13,11 +13,12 @@ rank's gradients differ from the others'. See docs/flow.rst. ::
 
 ``python -m distgrad.flow run.json -o flow.png`` draws a run, without ``-o`` prints a table.
 """
+
 from __future__ import annotations
 
 from .draw import draw
-from .recorder import Recorder
 from .flow_run import FlowRun
+from .recorder import Recorder
 
 
 def load(path: str) -> FlowRun:

@@ -1,4 +1,5 @@
 """``python -m distgrad.flow run.json [-o flow.png]``: draw a recorded run, or print its table."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,10 @@ from .flow_run import FlowRun
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distgrad.flow",
-                                     description="Show the gradient norms recorded by distgrad.flow.")
+    parser = argparse.ArgumentParser(
+        prog="python -m distgrad.flow",
+        description="Show the gradient norms recorded by distgrad.flow.",
+    )
     parser.add_argument("run", help="the JSON file Recorder.save wrote")
     parser.add_argument("-o", "--out", help="write a PNG here instead of printing a table")
     args = parser.parse_args(argv)

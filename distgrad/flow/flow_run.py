@@ -1,4 +1,5 @@
 """A recorded run of gradient norms: its JSON file, the ranks that stand out, a text table."""
+
 from __future__ import annotations
 
 import json
@@ -48,11 +49,19 @@ class FlowRun:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             # NaN and Infinity are kept (json writes them as JavaScript does): they are findings
-            json.dump({"version": VERSION, "layers": self.layers, "ranks": self.ranks,
-                       "engine": self.engine, "steps": self.steps}, f)
+            json.dump(
+                {
+                    "version": VERSION,
+                    "layers": self.layers,
+                    "ranks": self.ranks,
+                    "engine": self.engine,
+                    "steps": self.steps,
+                },
+                f,
+            )
 
     @classmethod
-    def load(cls, path: str) -> "FlowRun":
+    def load(cls, path: str) -> FlowRun:
         with open(path) as f:
             data = json.load(f)
         if data.get("version") != VERSION:
@@ -79,11 +88,16 @@ class FlowRun:
                 for layer in range(len(self.layers)):
                     mine = step["activation"][rank][layer]
                     if not math.isfinite(mine):
-                        found[rank] = f"non-finite activation gradient norm ({mine}) at {self.layers[layer]}"
+                        found[rank] = (
+                            f"non-finite activation gradient norm ({mine}) at {self.layers[layer]}"
+                        )
                         break
                     # two ranks: the other one; more: all of them (the odd one cannot move it far)
-                    others = [step["activation"][r][layer] for r in range(self.ranks)
-                              if r != rank or self.ranks > 2]
+                    others = [
+                        step["activation"][r][layer]
+                        for r in range(self.ranks)
+                        if r != rank or self.ranks > 2
+                    ]
                     others = [math.log10(v) for v in others if math.isfinite(v) and v > 0]
                     if mine > 0 and others:
                         diffs.append(math.log10(mine) - statistics.median(others))
@@ -94,8 +108,10 @@ class FlowRun:
             if rank in found or abs(offset) <= limit or (self.ranks == 2 and offset < 0):
                 continue
             word = "larger" if offset > 0 else "smaller"
-            found[rank] = (f"activation gradients {10 ** abs(offset):.3g}x {word} than the other "
-                           "ranks' (median over steps and layers)")
+            found[rank] = (
+                f"activation gradients {10 ** abs(offset):.3g}x {word} than the other "
+                "ranks' (median over steps and layers)"
+            )
         return dict(sorted(found.items()))
 
     # -- for a terminal -------------------------------------------------------------------------
@@ -104,17 +120,30 @@ class FlowRun:
         if not self.steps:
             return "no steps recorded"
         last, first = self.steps[-1], self.steps[0]
-        head = ["layer", "act global", "at step 0"] + [f"act r{r}" for r in range(self.ranks)] + ["param global"]
+        head = (
+            ["layer", "act global", "at step 0"]
+            + [f"act r{r}" for r in range(self.ranks)]
+            + ["param global"]
+        )
         rows = [head]
         for i, layer in enumerate(self.layers):
-            rows.append([layer, fmt(last["activation_global"][i]), fmt(first["activation_global"][i])]
-                        + [fmt(last["activation"][r][i]) for r in range(self.ranks)]
-                        + [fmt(last["param_global"][i])])
+            rows.append(
+                [layer, fmt(last["activation_global"][i]), fmt(first["activation_global"][i])]
+                + [fmt(last["activation"][r][i]) for r in range(self.ranks)]
+                + [fmt(last["param_global"][i])]
+            )
         widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
-        lines = [f"gradient norms at the last step ({len(self.steps) - 1}; {self.engine}, "
-                 f"{self.ranks} rank{'s' if self.ranks > 1 else ''})"]
-        lines += ["  ".join(cell.rjust(w) if c else cell.ljust(w)
-                            for c, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+        lines = [
+            f"gradient norms at the last step ({len(self.steps) - 1}; {self.engine}, "
+            f"{self.ranks} rank{'s' if self.ranks > 1 else ''})"
+        ]
+        lines += [
+            "  ".join(
+                cell.rjust(w) if c else cell.ljust(w)
+                for c, (cell, w) in enumerate(zip(row, widths))
+            )
+            for row in rows
+        ]
         odd = self.odd_ranks()
         lines += [f"odd rank {rank}: {why}" for rank, why in odd.items()] or ["no odd rank"]
         return "\n".join(lines)

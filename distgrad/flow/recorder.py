@@ -6,6 +6,7 @@ trace body: the body's reads follow the ordering rule, and a recorder that read 
 generator). A raw tensor hook sees exactly what autograd hands the module's output, on every
 engine that runs the user's modules unchanged.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,14 @@ from torch.distributed.tensor import DTensor
 
 from ..trace import engine_of
 from .flow_run import FlowRun
-from .squares import (Activation, Params, check_copies, check_partial_layout, partial_layout,
-                      partial_squares)
+from .squares import (
+    Activation,
+    Params,
+    check_copies,
+    check_partial_layout,
+    partial_layout,
+    partial_squares,
+)
 
 
 def layer_paths(tree: torch.nn.Module, layers) -> list[str]:
@@ -24,8 +31,10 @@ def layer_paths(tree: torch.nn.Module, layers) -> list[str]:
     if isinstance(layers, str):
         container = tree.get_submodule(layers)
         if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
-            raise TypeError(f"layers={layers!r} is a {type(container).__name__}; give the path of "
-                            "a ModuleList or Sequential, or a list of module paths")
+            raise TypeError(
+                f"layers={layers!r} is a {type(container).__name__}; give the path of "
+                "a ModuleList or Sequential, or a list of module paths"
+            )
         return [f"{layers}.{name}" for name, _ in container.named_children()]
     paths = list(layers)
     for path in paths:
@@ -37,8 +46,11 @@ def layer_paths(tree: torch.nn.Module, layers) -> list[str]:
 
 def index_of(module):
     """``grad -> the index of its parameter in module.parameters()`` (-1: not a ``.grad``)."""
-    found = {} if module is None else {id(p.grad): i for i, p in enumerate(module.parameters())
-                                       if p.grad is not None}
+    found = (
+        {}
+        if module is None
+        else {id(p.grad): i for i, p in enumerate(module.parameters()) if p.grad is not None}
+    )
     return lambda grad: found.get(id(grad), -1)
 
 
@@ -88,10 +100,16 @@ class Recorder:
         self.acts = [Activation() for _ in self.paths]  # this step's activation gradients
         # Partial gradients come from DTensor parameters only (the same answer on every rank:
         # each holds the whole model's structure)
-        self.partial_possible = any(isinstance(p, DTensor) for path in self.paths
-                                    for p in engine.model.get_submodule(path).parameters())
-        self.handles = [m.register_forward_hook(self.watcher(i))
-                        for i, m in enumerate(self.modules) if m is not None]
+        self.partial_possible = any(
+            isinstance(p, DTensor)
+            for path in self.paths
+            for p in engine.model.get_submodule(path).parameters()
+        )
+        self.handles = [
+            m.register_forward_hook(self.watcher(i))
+            for i, m in enumerate(self.modules)
+            if m is not None
+        ]
         # an engine whose own step uses up the parameter gradients (DeepSpeed's pipeline
         # engine) hands them over before it, once per step: ``take`` keeps their squares here
         self.taken, self.takes, self.unwatch = None, 0, None
@@ -105,8 +123,10 @@ class Recorder:
         def on_output(module, args, output):
             tensor = first_tensor(output)
             if tensor is None:
-                raise TypeError(f"distgrad.flow: {self.paths[layer]} returned a "
-                                f"{type(output).__name__}, not a tensor or a tuple starting with one")
+                raise TypeError(
+                    f"distgrad.flow: {self.paths[layer]} returned a "
+                    f"{type(output).__name__}, not a tensor or a tuple starting with one"
+                )
             if tensor.requires_grad:  # (not under no_grad, nor a reentrant checkpoint's forward)
                 tensor.register_hook(self.adder(layer))
 
@@ -121,8 +141,10 @@ class Recorder:
     def param_squares(self) -> list[Params]:
         """This rank's parameter-gradient squares of each layer, as the gradients are now."""
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        return [Params([] if m is None else self.engine.grad_pieces(m), self.world, zero,
-                       index_of(m)) for m in self.modules]
+        return [
+            Params([] if m is None else self.engine.grad_pieces(m), self.world, zero, index_of(m))
+            for m in self.modules
+        ]
 
     def take(self) -> None:
         """Called by the engine inside its step, where the gradients exist (no collective)."""
@@ -134,8 +156,10 @@ class Recorder:
         Returns the step's record (see :class:`FlowRun`)."""
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
         acts = [a.squares.to(self.device) if a.squares is not None else zero for a in self.acts]
-        shares = [(a.squares.to(self.device) / a.copies) if a.squares is not None else zero
-                  for a in self.acts]
+        shares = [
+            (a.squares.to(self.device) / a.copies) if a.squares is not None else zero
+            for a in self.acts
+        ]
         keys = [torch.tensor(a.key, device=self.device) for a in self.acts]
         self.acts = [Activation() for _ in self.paths]
         if self.unwatch is None:
@@ -146,8 +170,13 @@ class Recorder:
         if self.partial_possible and self.world > 1:
             check_partial_layout(partial_layout(params), self.world, self.device, self.paths)
         n = len(self.paths)
-        head = acts + shares + keys + [p.held.to(self.device) for p in params] + \
-            [p.share.to(self.device) for p in params]
+        head = (
+            acts
+            + shares
+            + keys
+            + [p.held.to(self.device) for p in params]
+            + [p.share.to(self.device) for p in params]
+        )
         entries, start, pieces = [], 5 * n, []
         for layer, p in enumerate(params):
             for _, piece in p.partial:
@@ -163,20 +192,25 @@ class Recorder:
         else:
             rows = vector.cpu()[None]
         if not torch.all(rows[:, -1] == rows[0, -1]):
-            raise RuntimeError(f"distgrad.flow: the ranks are at different steps "
-                               f"({rows[:, -1].long().tolist()}): every rank must call step() once per step")
+            raise RuntimeError(
+                f"distgrad.flow: the ranks are at different steps "
+                f"({rows[:, -1].long().tolist()}): every rank must call step() once per step"
+            )
         if not torch.all(rows[:, -2] == 1):
             raise RuntimeError(
                 f"distgrad.flow: step() reads the parameter gradients the engine handed over in "
                 f"its own optimizer step, which ran {rows[:, -2].long().tolist()} times (per "
                 f"rank) since the last step(): call step() once after each train_batch (each "
-                f"trace), on every rank.")
-        check_copies(rows[:, :n], rows[:, 2 * n:3 * n], self.paths)
-        param_global = rows[:, 4 * n:5 * n].sum(0) + partial_squares(rows, entries, n)
-        return self.run.add(activation=rows[:, :n].sqrt().tolist(),
-                            activation_global=rows[:, n:2 * n].sum(0).sqrt().tolist(),
-                            param=rows[:, 3 * n:4 * n].sqrt().tolist(),
-                            param_global=param_global.sqrt().tolist())
+                f"trace), on every rank."
+            )
+        check_copies(rows[:, :n], rows[:, 2 * n : 3 * n], self.paths)
+        param_global = rows[:, 4 * n : 5 * n].sum(0) + partial_squares(rows, entries, n)
+        return self.run.add(
+            activation=rows[:, :n].sqrt().tolist(),
+            activation_global=rows[:, n : 2 * n].sum(0).sqrt().tolist(),
+            param=rows[:, 3 * n : 4 * n].sqrt().tolist(),
+            param_global=param_global.sqrt().tolist(),
+        )
 
     def save(self, path: str) -> None:
         """Write the run as JSON (rank 0 only; other ranks write nothing)."""
@@ -191,7 +225,7 @@ class Recorder:
             self.unwatch()
             self.unwatch = None
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,6 +22,7 @@ Two things need the other ranks' numbers, and ride in the same vector:
   the recorded layers hold DTensor parameters, ``check_partial_layout`` first gathers each
   rank's layout (a few floats per layer) and raises on every rank where they differ.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,7 +62,8 @@ class Activation:
                 raise NotImplementedError(
                     f"distgrad.flow: the gradient reaching {what} is a Partial DTensor (each "
                     f"rank holds a sum to be reduced); its norm needs a collective of its own. "
-                    f"Record a module whose output is a plain tensor or a Shard/Replicate DTensor.")
+                    f"Record a module whose output is a plain tensor or a Shard/Replicate DTensor."
+                )
             holders, self.copies = dtensor_copies(grad, world)
             grad = grad.to_local()
         else:
@@ -105,7 +107,7 @@ def partial_entry(grad, local, world: int) -> torch.Tensor:
         if p.is_shard():
             shape[p.dim] = math.ceil(shape[p.dim] / mesh.size(dim))
     padded = torch.zeros(math.prod(shape), dtype=torch.float32, device=local.device)
-    padded[:local.numel()] = local.reshape(-1)
+    padded[: local.numel()] = local.reshape(-1)
     head = torch.tensor([float(min(group)), 1.0 / copies], device=local.device)
     return torch.cat([head, padded])
 
@@ -116,7 +118,9 @@ def partial_layout(params: list[Params]) -> torch.Tensor:
     layout = torch.zeros(len(params), 3, dtype=torch.float64)
     for layer, p in enumerate(params):
         for index, piece in p.partial:
-            layout[layer] += torch.tensor([1.0, piece.numel(), 2.0 ** (index % 52)], dtype=torch.float64)
+            layout[layer] += torch.tensor(
+                [1.0, piece.numel(), 2.0 ** (index % 52)], dtype=torch.float64
+            )
     return layout
 
 
@@ -136,7 +140,8 @@ def check_partial_layout(layout: torch.Tensor, world: int, device, paths: list[s
                 f"parameter's .grad is None on some ranks only, or was replaced on some. Its "
                 f"global norm needs every rank's piece of the same gradients. Run every "
                 f"parameter of the recorded layers on every rank and clear gradients on every "
-                f"rank alike, or leave such a layer out of layers=.")
+                f"rank alike, or leave such a layer out of layers=."
+            )
 
 
 def check_copies(rows: torch.Tensor, keys: torch.Tensor, paths: list[str]) -> None:
@@ -151,7 +156,8 @@ def check_copies(rows: torch.Tensor, keys: torch.Tensor, paths: list[str]) -> No
                     f"ranks {members} (not sharded among them), but the gradients reaching it "
                     f"differ ({values.sqrt().tolist()}): each rank holds a shard of it (sequence "
                     f"parallelism?). Declare it: distgrad.wrap(model, tp_shards={{{path!r}: "
-                    f"<the dim it is split on>}}).")
+                    f"<the dim it is split on>}})."
+                )
 
 
 def partial_squares(rows: torch.Tensor, entries: list[tuple[int, int, int]], layers: int):
@@ -160,7 +166,7 @@ def partial_squares(rows: torch.Tensor, entries: list[tuple[int, int, int]], lay
     total = torch.zeros(layers, dtype=rows.dtype)
     for layer, start, length in entries:
         keys, weights = rows[:, start], rows[:, start + 1]
-        pieces = rows[:, start + 2:start + length]
+        pieces = rows[:, start + 2 : start + length]
         for key in set(keys.tolist()):
             members = (keys == key).nonzero().flatten()
             total[layer] += pieces[members].sum(0).pow(2).sum() * weights[members[0]]

@@ -3,8 +3,8 @@ fires, the hook hands the value over and waits, the body reads or replaces it, a
 request sends the reply back to the hook.
 
 * ``requests.py``: ``Requests``, the seam: what a body asks for, served by one object per trace;
-* ``forward_requests.py``: ``ForwardRequests``, one body in the caller's frame; ``invoke.py``: ``Invokes``,
-  several bodies over one batch;
+* ``forward_requests.py``: ``ForwardRequests``, one body in the caller's frame over the trace's
+  one forward; ``invoke.py``: ``Invokes``, several bodies over one batch;
 * ``session.py``: ``Body``, ``Pause`` (the body's view of the paused run) and ``Session`` (the
   points and bodies of one run);
 * ``points.py``: where a hook pauses the run (a module call's input or output, a tensor's

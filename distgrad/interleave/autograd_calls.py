@@ -13,6 +13,7 @@ place of a slice, handing back the slice's rows (``Requests.grad_inputs``); any 
 (another thread, code outside the bodies) gets PyTorch's functions unchanged. They are put back
 when the bodies end, so nothing stays replaced after the trace.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,8 @@ from torch.autograd.graph import GradientEdge
 from .session import current_body
 
 _lock = threading.Lock()
-_depth = 0       # traces serving their bodies now (each thread's, nested ones)
-_replaced = {}   # name -> the function torch.autograd had before
+_depth = 0  # traces serving their bodies now (each thread's, nested ones)
+_replaced = {}  # name -> the function torch.autograd had before
 _at_import = {"backward": torch.autograd.backward, "grad": torch.autograd.grad}
 # how each takes its arguments (inspect follows a wrapper's __wrapped__ to torch's own)
 _SIGNATURES = {name: inspect.signature(fn) for name, fn in _at_import.items()}
@@ -80,7 +81,8 @@ def _backward(*args, **kwargs):
                 "backward(inputs=[...]) in an invoke body, naming the invoke's rows of a model "
                 "value: those rows are a slice of the batch's tensor, which the graph goes on "
                 "from, so PyTorch would leave their .grad None. Call h.retain_grad() before "
-                "loss.backward() (without inputs=), or take torch.autograd.grad(loss, h).")
+                "loss.backward() (without inputs=), or take torch.autograd.grad(loss, h)."
+            )
     return real(*args, **kwargs)
 
 

@@ -1,9 +1,11 @@
-"""Inputs in, rows out: tokenizing, joining invoke inputs into one batch, and slicing values per invoke.
+"""Inputs in, rows out: tokenizing, joining invoke inputs into one batch, and slicing values
+per invoke.
 
 An invoke owns a contiguous range of rows (``slice``) of the batch. ``narrow`` shows a value to one
 invoke; ``merge`` puts the invokes' replacements back together. Only tensors whose first dimension
 is the batch size are split; anything else is shown whole.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,16 +18,19 @@ from . import token_ids
 
 
 def _is_text(x) -> bool:
-    return isinstance(x, str) or (isinstance(x, (list, tuple)) and len(x) > 0
-                                  and all(isinstance(s, str) for s in x))
+    return isinstance(x, str) or (
+        isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(s, str) for s in x)
+    )
 
 
 def prepare(args: tuple, kwargs: dict, tokenizer) -> tuple[tuple, dict]:
     """Tokenize a leading str / list[str]; pass tensors and dicts through."""
     if args and _is_text(args[0]):
         if tokenizer is None:
-            raise TypeError("model.trace() got text but distgrad.wrap() was given no tokenizer: "
-                            "call distgrad.wrap(module, tokenizer=...) or pass token ids.")
+            raise TypeError(
+                "model.trace() got text but distgrad.wrap() was given no tokenizer: "
+                "call distgrad.wrap(module, tokenizer=...) or pass token ids."
+            )
         texts = [args[0]] if isinstance(args[0], str) else list(args[0])
         options, kwargs = tokenizer_options(tokenizer, kwargs)
         encoded = tokenizer(texts, **{"return_tensors": "pt", "padding": True, **options})
@@ -49,21 +54,30 @@ def tokenizer_options(tokenizer, kwargs: dict) -> tuple[dict, dict]:
     return options, {k: v for k, v in kwargs.items() if k not in options}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _call_parameters(cls) -> tuple:
     return tuple(inspect.signature(cls.__call__).parameters)
 
 
-_NOT_OPTIONS = {"self", "text", "text_pair", "text_target", "text_pair_target", "kwargs",
-                "tokenizer_kwargs", "return_tensors"}
+_NOT_OPTIONS = {
+    "self",
+    "text",
+    "text_pair",
+    "text_target",
+    "text_pair_target",
+    "kwargs",
+    "tokenizer_kwargs",
+    "return_tensors",
+}
 
 
 def batch_size(args: tuple, kwargs: dict) -> int:
     for v in list(args) + list(kwargs.values()):
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             return v.shape[0]
-    raise ValueError("distgrad could not find a batched tensor (one with a batch dimension) in "
-                     "the trace inputs.")
+    raise ValueError(
+        "distgrad could not find a batched tensor (one with a batch dimension) in the trace inputs."
+    )
 
 
 def is_input(key: str, value) -> bool:
@@ -71,10 +85,12 @@ def is_input(key: str, value) -> bool:
     field of ``token_ids.ROW_FIELDS``, ``inputs_embeds``, or any tensor with a batch
     dimension) rather than an option of the call (``max_new_tokens=3``,
     ``output_hidden_states=True``, a ``GenerationConfig``)."""
-    return (key in token_ids.ROW_FIELDS or key == "inputs_embeds"
-            or (isinstance(value, torch.Tensor) and value.dim() > 0)
-            or (isinstance(value, Mapping) and any(isinstance(v, torch.Tensor)
-                                                   for v in value.values())))
+    return (
+        key in token_ids.ROW_FIELDS
+        or key == "inputs_embeds"
+        or (isinstance(value, torch.Tensor) and value.dim() > 0)
+        or (isinstance(value, Mapping) and any(isinstance(v, torch.Tensor) for v in value.values()))
+    )
 
 
 def call_options(kwargs: dict) -> dict:
@@ -102,24 +118,30 @@ def join(inputs: list[tuple[tuple, dict]], tokenizer) -> tuple[tuple, dict, list
         try:
             n = batch_size(a, k)
         except ValueError:
-            raise ValueError(f"invoke {i} has no batched tensor in its inputs (args {_kinds(a)}, "
-                             f"keywords {_kinds(k)}): give it tensors with a batch dimension"
-                             f"{', text or token ids' if tokenizer is not None else ''}."
-                             ) from None
+            raise ValueError(
+                f"invoke {i} has no batched tensor in its inputs (args {_kinds(a)}, "
+                f"keywords {_kinds(k)}): give it tensors with a batch dimension"
+                f"{', text or token ids' if tokenizer is not None else ''}."
+            ) from None
         rows.append(slice(start, start + n))
         start += n
     counts = {len(a) for a, _ in prepared}
     if len(counts) > 1:
-        raise ValueError(f"invoke inputs cannot be batched: the invokes give "
-                         f"{sorted(counts)} positional arguments; give each the same ones.")
+        raise ValueError(
+            f"invoke inputs cannot be batched: the invokes give "
+            f"{sorted(counts)} positional arguments; give each the same ones."
+        )
     keys = [list(k) for _, k in prepared]
     for i, k in enumerate(keys[1:], 1):
         if set(k) != set(keys[0]):
-            raise ValueError(f"invoke inputs cannot be batched: invoke 0 passes keywords "
-                             f"{sorted(keys[0])} and invoke {i} {sorted(k)}; give each the same "
-                             f"ones.")
-    args = tuple(_cat([p[0][i] for p in prepared], f"argument {i}")
-                 for i in range(len(prepared[0][0])))
+            raise ValueError(
+                f"invoke inputs cannot be batched: invoke 0 passes keywords "
+                f"{sorted(keys[0])} and invoke {i} {sorted(k)}; give each the same "
+                f"ones."
+            )
+    args = tuple(
+        _cat([p[0][i] for p in prepared], f"argument {i}") for i in range(len(prepared[0][0]))
+    )
     kwargs = {key: _cat([p[1][key] for p in prepared], f"keyword {key!r}") for key in keys[0]}
     return args, kwargs, rows
 
@@ -134,9 +156,11 @@ def _same_options(kwargs_list: list[dict]) -> dict:
     first = kwargs_list[0]
     for i, other in enumerate(kwargs_list[1:], 1):
         if other.keys() != first.keys() or any(not same(first[k], other[k]) for k in first):
-            raise ValueError(f"invoke inputs cannot be batched: invoke 0 passes keywords "
-                             f"{sorted(first)} and invoke {i} {sorted(other)}, which differ; "
-                             f"one call runs them all, so give each the same ones.")
+            raise ValueError(
+                f"invoke inputs cannot be batched: invoke 0 passes keywords "
+                f"{sorted(first)} and invoke {i} {sorted(other)}, which differ; "
+                f"one call runs them all, so give each the same ones."
+            )
     return dict(first)
 
 
@@ -145,8 +169,12 @@ def same(a, b) -> bool:
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.shape == b.shape and bool((a == b).all()))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and bool((a == b).all())
+        )
     try:
         return bool(a == b)
     except Exception:  # a value with no plain equality
@@ -160,14 +188,20 @@ def _cat(values: list, what: str):
         except RuntimeError as exc:
             hint = "pad them to one length"
             if token_ids.is_ids(values[0]):
-                hint = ("distgrad pads token ids given as input_ids=, or positionally with a "
-                        "tokenizer (distgrad.wrap(module, tokenizer=...)); else pad them to one "
-                        "length")
-            raise ValueError(f"invoke inputs cannot be batched: {what} has shapes "
-                             f"{[list(v.shape) for v in values]}; {hint}.") from exc
+                hint = (
+                    "distgrad pads token ids given as input_ids=, or positionally with a "
+                    "tokenizer (distgrad.wrap(module, tokenizer=...)); else pad them to one "
+                    "length"
+                )
+            raise ValueError(
+                f"invoke inputs cannot be batched: {what} has shapes "
+                f"{[list(v.shape) for v in values]}; {hint}."
+            ) from exc
     if any(not same(v, values[0]) for v in values[1:]):
-        raise ValueError(f"invoke inputs cannot be batched: {what} differs between invokes "
-                         f"(one call runs them all).")
+        raise ValueError(
+            f"invoke inputs cannot be batched: {what} differs between invokes "
+            f"(one call runs them all)."
+        )
     return values[0]
 
 
@@ -207,7 +241,7 @@ def merge(full, pieces: list[tuple[slice, object]], size: int):
         parts, at = [], 0
         for rows, piece in sorted(pieces, key=lambda rp: rp[0].start):
             if rows.start > at:
-                parts.append(full[at:rows.start])
+                parts.append(full[at : rows.start])
             parts.append(piece)
             at = rows.stop
         if at < size:

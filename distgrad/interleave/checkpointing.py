@@ -21,6 +21,7 @@ keeps the recompute faithful:
   parameters and the body's edit cannot be run again, so an edit there raises; so does ``.grad``
   of a value read there (it has no gradient), with a message that says so.
 """
+
 from __future__ import annotations
 
 import sys
@@ -30,17 +31,24 @@ from collections import OrderedDict
 import torch
 from torch.utils import checkpoint as _torch_checkpoint
 
-from ..torch_internals import (closure_cells, grad_enabled, new_hook_id, pre_hooks_with_kwargs,
-                               top_saved_tensor_hooks)
+from ..torch_internals import (
+    closure_cells,
+    grad_enabled,
+    new_hook_id,
+    pre_hooks_with_kwargs,
+    top_saved_tensor_hooks,
+)
 from .kinds import KINDS
 
 _REENTRANT_FORWARD = _torch_checkpoint.CheckpointFunction.forward.__code__
 _FORWARD_PACK = "_checkpoint_hook.__init__.<locals>.pack_hook"
 _RECOMPUTE_PACK = "_recomputation_hook.__init__.<locals>.pack_hook"
-_USE_NON_REENTRANT = ("net.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                      "{'use_reentrant': False}) for a transformers model (under Trainer: "
-                      "TrainingArguments(gradient_checkpointing_kwargs={'use_reentrant': "
-                      "False})), or torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+_USE_NON_REENTRANT = (
+    "net.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+    "{'use_reentrant': False}) for a transformers model (under Trainer: "
+    "TrainingArguments(gradient_checkpointing_kwargs={'use_reentrant': "
+    "False})), or torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+)
 
 # Tensors handed to a body from inside a use_reentrant=True block, by id: `.grad` of them
 # explains why there is no gradient. Weak values, so nothing here keeps a tensor alive.
@@ -103,7 +111,8 @@ def hand(point, key, value):
             f"use_reentrant=True. That block's forward runs without gradients and the backward "
             f"runs it again to build the graph, without your edit, so the parameter gradients "
             f"would not be those of the edited forward. Use non-reentrant checkpointing "
-            f"({_USE_NON_REENTRANT}), or turn gradient checkpointing off.")
+            f"({_USE_NON_REENTRANT}), or turn gradient checkpointing off."
+        )
     return reply
 
 
@@ -122,11 +131,13 @@ def read_without_grad(tensor) -> bool:
 
 
 def no_grad_message(label: str) -> str:
-    return (f"{label}.grad: no gradient flows into it, because it was computed inside a block "
-            f"under gradient checkpointing with use_reentrant=True, whose forward runs under "
-            f"torch.no_grad() (the backward computes the block's gradients from a second run "
-            f"that the body does not see). Use non-reentrant checkpointing "
-            f"({_USE_NON_REENTRANT}), or turn gradient checkpointing off.")
+    return (
+        f"{label}.grad: no gradient flows into it, because it was computed inside a block "
+        f"under gradient checkpointing with use_reentrant=True, whose forward runs under "
+        f"torch.no_grad() (the backward computes the block's gradients from a second run "
+        f"that the body does not see). Use non-reentrant checkpointing "
+        f"({_USE_NON_REENTRANT}), or turn gradient checkpointing off."
+    )
 
 
 def _tensors(value):
@@ -191,7 +202,8 @@ class Replay:
                 f"block calls that module more than once with nothing saved for the backward in "
                 f"between, so distgrad cannot tell which call to repeat the edit on when the "
                 f"backward runs the block again. Edit a module called once in the block, or turn "
-                f"gradient checkpointing off for it.")
+                f"gradient checkpointing off for it."
+            )
         self.served.add(gid)
         return True
 
@@ -206,7 +218,7 @@ def _place_after(hooks: OrderedDict, before, hid) -> None:
     keys = list(hooks)
     if before not in hooks:
         return
-    for key in keys[keys.index(before) + 1:]:
+    for key in keys[keys.index(before) + 1 :]:
         if key != hid:
             hooks.move_to_end(key)
 

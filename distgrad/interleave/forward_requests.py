@@ -5,6 +5,7 @@ advances only as far as the body's next request, each value handed over at a hoo
 greenlet switch or, where hooks fire on other threads, a worker thread (``run.py``). The
 invokes (``invoke.py``) build on this class.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,7 +34,8 @@ class ForwardRequests(Requests):
         if trace.method == "generate":
             self.backward_refused = (
                 "a backward block cannot be opened in a model.generate() trace: generate() runs "
-                "under torch.no_grad(), so there is no graph. Use model.trace(...) for gradients.")
+                "under torch.no_grad(), so there is no graph. Use model.trace(...) for gradients."
+            )
 
     # -- the forward ----------------------------------------------------------------------
 
@@ -46,11 +48,14 @@ class ForwardRequests(Requests):
 
     def open_session(self, bodies, args, kwargs) -> Session:
         if not args and not kwargs:
-            raise TraceUsageError("model.trace() has no inputs: pass them to trace(...) or add "
-                                  "`with tracer.invoke(...):` blocks.")
+            raise TraceUsageError(
+                "model.trace() has no inputs: pass them to trace(...) or add "
+                "`with tracer.invoke(...):` blocks."
+            )
         size = batching.batch_size(args, kwargs) if bodies[0].rows is not None else 0
-        return self.session_type("forward", self.forward_call(args, kwargs), bodies, size=size,
-                                 views=self.engine.views)
+        return self.session_type(
+            "forward", self.forward_call(args, kwargs), bodies, size=size, views=self.engine.views
+        )
 
     def forward_call(self, args, kwargs):
         """The forward as a function of nothing: what the session runs."""
@@ -60,6 +65,7 @@ class ForwardRequests(Requests):
             def generate():  # keeps the ids for tracer.result (the run hands on no return value)
                 self.generated = engine.generate(args, kwargs)
                 return self.generated
+
             return generate
         call = self.engine.forward
         return lambda: call(args, kwargs)
@@ -95,11 +101,13 @@ class ForwardRequests(Requests):
         if session.finished and self.trace.method == "generate":
             raise OutOfOrderError(
                 f"{plain_path(envoy)}.{kind} was requested after generate() had finished "
-                f"(tracer.result runs it to the end). Read module values before tracer.result.")
+                f"(tracer.result runs it to the end). Read module values before tracer.result."
+            )
         if body.block is not None or session.finished:
             raise OutOfOrderError(
                 f"{plain_path(envoy)}.{kind} was requested after the forward had finished. Read "
-                f"forward values before `with loss.backward():` and keep them in variables.")
+                f"forward values before `with loss.backward():` and keep them in variables."
+            )
         point = session.points.get((id(module), kind))
         if point is None:
             point = self._new_point(session, envoy, kind)
@@ -110,17 +118,22 @@ class ForwardRequests(Requests):
                     path = point.path
                     raise TraceStateError(
                         f"{path}.{kind} and {path}.local.{kind} name one value in two forms "
-                        f"(whole and this rank's shard); read one of them per call.")
+                        f"(whole and this rank's shard); read one of them per call."
+                    )
                 return pause  # the body is at this very call: read/write it again
             if session.single_body:
-                return session.request_single(body, (point, point.calls), point.passed, None,
-                                              envoy._local)
+                return session.request_single(
+                    body, (point, point.calls), point.passed, None, envoy._local
+                )
             call = point.calls
-        elif call < point.calls and not (body.pause is not None and body.pause.key == (point, call)):
+        elif call < point.calls and not (
+            body.pause is not None and body.pause.key == (point, call)
+        ):
             raise OutOfOrderError(
                 f"{point.path}.{kind} (call {call}) was requested after the run had already "
                 f"passed it (the module has run {point.calls} time(s) since the trace first named "
-                f"it). Name repeated modules before the forward reaches them.")
+                f"it). Name repeated modules before the forward reaches them."
+            )
         return session.request(body, (point, call), point.passed, UNSET, None, envoy._local)
 
     def _new_point(self, session: Session, envoy, kind: str):
@@ -164,8 +177,14 @@ class ForwardRequests(Requests):
         block.session = self.backward_session(body, block)
 
     def backward_session(self, body, block) -> Session:
-        return Session("backward", block.run, [body], threaded=backward_threaded(block.tensor),
-                       views=self.engine.views, scale=block.scale)
+        return Session(
+            "backward",
+            block.run,
+            [body],
+            threaded=backward_threaded(block.tensor),
+            views=self.engine.views,
+            scale=block.scale,
+        )
 
     grad = staticmethod(grad_pause)  # (a call layer less on the hottest path of a block)
 

@@ -4,6 +4,7 @@ transport a backward needs (``backward_threaded``, ``step_threaded``), and how a
 ends (``close_session``). Every ``Requests`` that serves gradients in one process uses these;
 ``backward.py`` (the block users open) sits above them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,9 @@ def step_threaded() -> bool:
     if mode == "auto":
         return torch.cuda.is_initialized()
     if mode not in ("greenlet", "thread"):
-        raise ValueError(f"distgrad.config.backward_mode must be 'auto', 'greenlet' or 'thread', "
-                         f"not {mode!r}.")
+        raise ValueError(
+            f"distgrad.config.backward_mode must be 'auto', 'greenlet' or 'thread', not {mode!r}."
+        )
     return mode == "thread"
 
 
@@ -44,8 +46,9 @@ def grad_pause(body: Body, tensor: torch.Tensor):
         # No lookup of an earlier point for this tensor: its gradient arrives once per
         # backward, so a second request of it is out of order with a new point as with the old.
         point = GradPoint(session, tensor)
-        return session.request_single(body, (point, 0),
-                                    lambda: grad_passed(block.tensor, tensor, body), tensor)
+        return session.request_single(
+            body, (point, 0), lambda: grad_passed(block.tensor, tensor, body), tensor
+        )
     target, split = tensor, None
     if session.views is not None:  # a value shown whole: hook the shard that flows on
         found = session.views.source(tensor)
@@ -65,22 +68,28 @@ def grad_pause(body: Body, tensor: torch.Tensor):
 def _no_grad_flows(body: Body, tensor) -> GradientError:
     if read_without_grad(tensor):  # read inside a use_reentrant=True checkpointed block
         return GradientError(no_grad_message(body.label_of(tensor)))
-    return GradientError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because it does "
-                      f"not require grad (computed under torch.no_grad() or from frozen inputs "
-                      f"only).")
+    return GradientError(
+        f"{body.label_of(tensor)}.grad: no gradient flows into it, because it does "
+        f"not require grad (computed under torch.no_grad() or from frozen inputs "
+        f"only)."
+    )
 
 
 def grad_passed(root: torch.Tensor, tensor: torch.Tensor, body: Body, target=None):
     label = body.label_of(tensor)  # worded only on this error path: naming is dear
     if not _reaches(root.grad_fn, tensor if target is None else target):
-        return ValueError(f"{label}.grad: the backward of {body.label_of(root)} finished without a "
-                f"gradient reaching {label}; it is not on the path from that tensor to the "
-                f"inputs. Open the backward block on a tensor computed from {label}.")
+        return ValueError(
+            f"{label}.grad: the backward of {body.label_of(root)} finished without a "
+            f"gradient reaching {label}; it is not on the path from that tensor to the "
+            f"inputs. Open the backward block on a tensor computed from {label}."
+        )
     earlier = _read_before(body, tensor)
     example = f" ({label}.grad before {earlier}.grad)" if earlier else ""
-    return (f"{label}.grad was requested after the backward had passed it. Gradients arrive in "
-            f"reverse-forward order: request the .grad of values computed later in the forward "
-            f"first{example}.")
+    return (
+        f"{label}.grad was requested after the backward had passed it. Gradients arrive in "
+        f"reverse-forward order: request the .grad of values computed later in the forward "
+        f"first{example}."
+    )
 
 
 def _read_before(body: Body, tensor) -> str | None:

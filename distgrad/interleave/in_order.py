@@ -5,10 +5,11 @@ As in nnsight, the bodies waiting at one value then see it in invoke order, each
 before it left it: an empty invoke after ``with tr.invoke(a): h.output = h.output * 0`` reads
 zeros in ``a``'s rows, and its own edit is applied on top of them.
 """
+
 from __future__ import annotations
 
 from . import batching
-from .session import Session, Pause
+from .session import Pause, Session
 
 
 class InOrderSession(Session):
@@ -18,9 +19,9 @@ class InOrderSession(Session):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.queue: list = []   # bodies waiting at the paused value, not served yet
-        self.current = None     # the paused value as the bodies served so far left it
-        self.last = None        # the body served last, whose reply is not folded in yet
+        self.queue: list = []  # bodies waiting at the paused value, not served yet
+        self.current = None  # the paused value as the bodies served so far left it
+        self.last = None  # the body served last, whose reply is not folded in yet
 
     def serve(self, key, value) -> None:
         self.current = value
@@ -30,8 +31,9 @@ class InOrderSession(Session):
     def _serve_first(self, key):
         body = self.queue.pop(0)
         rows, tensor, local = body.wants
-        body.pause = Pause(key, self.current, rows, key[0].kind, self.size, self.slices, tensor,
-                         local)
+        body.pause = Pause(
+            key, self.current, rows, key[0].kind, self.size, self.slices, tensor, local
+        )
         self.served.append(body)
         self.last = body
         return body

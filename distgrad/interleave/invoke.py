@@ -14,6 +14,7 @@ waiting there in invoke order, each with its own rows; their edits are merged ba
 bodies open backward blocks, one backward runs over the sum of their losses and gradients are
 served the same way.
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,14 +25,14 @@ import torch
 from .. import capture
 from ..errors import GradientError, TraceStateError, TraceUsageError
 from . import autograd_calls, batching
+from .forward_requests import ForwardRequests
 from .gradients import backward_threaded, grad_passed
 from .in_order import InOrderSession
-from .forward_requests import ForwardRequests
 from .invoke_names import InvokeNames, namespace
 from .requests import Requests
 from .retained_grads import fill_retained_grads
-from .transports import BodyRunners
 from .session import BODIES, UNSET, Body, Session
+from .transports import BodyRunners
 
 _BACKWARD = ("backward", "start")
 _BACKWARD_DONE = ("backward", "done")
@@ -63,10 +64,11 @@ class Invoke:
             raise TraceStateError(
                 "invoker.inputs is known once the invokes' inputs are joined into one batch, "
                 "when the invoke bodies run: read it inside the `with tracer.invoke(...) as "
-                "invoker:` block or after the trace, not between the invoke blocks.")
+                "invoker:` block or after the trace, not between the invoke blocks."
+            )
         return self.prepared
 
-    def __enter__(self) -> "Invoke":
+    def __enter__(self) -> Invoke:
         frame = sys._getframe(1)
         self.code, self.names, first_line = capture.capture(frame)
         self.frame = frame
@@ -101,8 +103,10 @@ class Invokes(ForwardRequests):
         self.hooked: set = set()  # ids of those views whose retained gradient is hooked up
 
     def forward_session(self) -> Session:
-        raise TraceUsageError("in a trace with invokes, read model values inside the "
-                              "`with tracer.invoke(...):` blocks.")
+        raise TraceUsageError(
+            "in a trace with invokes, read model values inside the "
+            "`with tracer.invoke(...):` blocks."
+        )
 
     def result(self, body):
         """``tracer.result`` in an invoke of a generate trace: this invoke's rows of the ids
@@ -121,14 +125,18 @@ class Invokes(ForwardRequests):
         invokes = trace.invokes
         args, kwargs = self._join(invokes)
         scheduler = greenlet.getcurrent()
-        bodies = [Body(self, rows=inv.rows, index=i, scheduler=scheduler)
-                  for i, inv in enumerate(invokes)]
+        bodies = [
+            Body(self, rows=inv.rows, index=i, scheduler=scheduler) for i, inv in enumerate(invokes)
+        ]
         if len(bodies) > 1 and any(inv.empty for inv in invokes):
             self.session_type = InOrderSession  # rows overlap: bodies served one by one
         self.forward = self.open_session(bodies, args, kwargs)
         self.forward.slices = self.slices
-        names = InvokeNames([inv.space for inv in invokes], [inv.names for inv in invokes],
-                            [inv.frame for inv in invokes])
+        names = InvokeNames(
+            [inv.space for inv in invokes],
+            [inv.names for inv in invokes],
+            [inv.frame for inv in invokes],
+        )
         for inv in invokes:
             inv.space = None  # the bodies hold them now, and nothing after them
         runners = names.runners(bodies, [inv.code for inv in invokes], BODIES)
@@ -150,9 +158,13 @@ class Invokes(ForwardRequests):
         live = _frames_on_stack()
         for frame, values in names.bound_values():
             if id(frame) in live:  # (a helper that opened invokes and has returned: no one)
-                capture.write_back(frame, {name: value if id(value) in saved
-                                           else capture.NotSaved(name)
-                                           for name, value in values.items()})
+                capture.write_back(
+                    frame,
+                    {
+                        name: value if id(value) in saved else capture.NotSaved(name)
+                        for name, value in values.items()
+                    },
+                )
 
     def _join(self, invokes: list[Invoke]) -> tuple[tuple, dict]:
         """The batch's (args, kwargs); sets each invoke's rows and inputs. An empty invoke
@@ -160,8 +172,7 @@ class Invokes(ForwardRequests):
         trace = self.trace
         given = [inv for inv in invokes if not inv.empty]
         if given:
-            args, kwargs, rows = batching.join([(i.args, i.kwargs) for i in given],
-                                               trace.tokenizer)
+            args, kwargs, rows = batching.join([(i.args, i.kwargs) for i in given], trace.tokenizer)
             for inv, r in zip(given, rows):
                 inv.rows = r
             inputs = (args, kwargs)
@@ -173,7 +184,8 @@ class Invokes(ForwardRequests):
             raise TraceStateError(
                 "an empty tracer.invoke() sees the batch of the other invokes, and this trace "
                 "has none: give an invoke inputs (tracer.invoke(text)) or pass them to "
-                "model.trace(inputs).")
+                "model.trace(inputs)."
+            )
         if trace.method == "generate":
             _check_rows_kept(kwargs, self.engine.model)
         size = batching.batch_size(args, kwargs)
@@ -194,8 +206,11 @@ class Invokes(ForwardRequests):
             if following is not None:  # rows overlap: the next body at this value, in order
                 wake(following)
                 continue
-            if session is not None and not session.finished and any(
-                    b.pending in session.wanted for b in waiting):
+            if (
+                session is not None
+                and not session.finished
+                and any(b.pending in session.wanted for b in waiting)
+            ):
                 session.advance()
                 served = [b for b in waiting if b.pause is not None and b.pending is not None]
                 if session.finished:
@@ -241,17 +256,22 @@ class Invokes(ForwardRequests):
             # given `gradient=g`, (tensor * g).sum(), whose backward hands each tensor exactly
             # g, as autograd.backward([tensor], [g]) would.
             if len(blocks) == 1:
-                return first.backend.backward(first.tensor, first.fn, first.args,
-                                              {**first.kwargs, **kwargs})
+                return first.backend.backward(
+                    first.tensor, first.fn, first.args, {**first.kwargs, **kwargs}
+                )
             given = [b.args[0] if b.args else b.kwargs.get("gradient") for b in blocks]
-            parts = [b.tensor if g is None else (b.tensor * g).sum()
-                     for b, g in zip(blocks, given)]
+            parts = [b.tensor if g is None else (b.tensor * g).sum() for b, g in zip(blocks, given)]
             return first.backend.backward(sum(parts[1:]) + parts[0], first.fn, (), kwargs)
 
         fill_retained_grads(self.slices, self.hooked)  # (slices a round added, too)
         self.round = blocks
-        session = self.session_type("backward", run, bodies, size=self.forward.size,
-                                    threaded=backward_threaded(first.tensor))
+        session = self.session_type(
+            "backward",
+            run,
+            bodies,
+            size=self.forward.size,
+            threaded=backward_threaded(first.tensor),
+        )
         session.slices = self.slices
         return session
 
@@ -271,15 +291,23 @@ class Invokes(ForwardRequests):
     def grad(self, body, tensor: torch.Tensor):
         session = self.backward
         entry = self.slices.get(id(tensor))
-        full, rows = (entry[1], body.rows) if entry is not None and entry[0] is tensor \
-            else (tensor, None)
+        full, rows = (
+            (entry[1], body.rows) if entry is not None and entry[0] is tensor else (tensor, None)
+        )
         if not tensor.requires_grad:
-            raise GradientError(f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
-                             f"it does not require grad.")
+            raise GradientError(
+                f"{body.label_of(tensor)}.grad: no gradient flows into it, because "
+                f"it does not require grad."
+            )
         point = session.grad_point(full)
         key = (point, point.calls)
-        return session.request(body, key, lambda: grad_passed(body.block.tensor, tensor, body),
-                               rows=rows, tensor=tensor)
+        return session.request(
+            body,
+            key,
+            lambda: grad_passed(body.block.tensor, tensor, body),
+            rows=rows,
+            tensor=tensor,
+        )
 
     def plain_backward(self, body, tensor) -> None:
         """``loss.backward()`` as a plain call in a body: PyTorch's backward runs at once, over
@@ -295,8 +323,10 @@ class Invokes(ForwardRequests):
         found = [e if e is not None and e[0] is t else None for e, t in zip(found, inputs)]
         if all(e is None for e in found):
             return inputs, None
-        return ([t if e is None else e[1] for e, t in zip(found, inputs)],
-                [None if e is None else e[2] for e in found])
+        return (
+            [t if e is None else e[1] for e, t in zip(found, inputs)],
+            [None if e is None else e[2] for e in found],
+        )
 
     def close(self) -> None:
         self.backward = self.slices = self.hooked = None
@@ -310,8 +340,9 @@ def round_kwargs(starting: list[Body]) -> dict:
     numbers, and its body's next block, if any, finds the graph that another body kept)."""
     blocks = [b.block for b in starting]
     # each block's own gradient= is its own (see _backward_session's run)
-    rest = [{k: v for k, v in b.kwargs.items() if k not in ("retain_graph", "gradient")}
-            for b in blocks]
+    rest = [
+        {k: v for k, v in b.kwargs.items() if k not in ("retain_graph", "gradient")} for b in blocks
+    ]
     for body, block, other in zip(starting, blocks, rest):
         if other != rest[0]:
             raise TraceStateError(
@@ -319,7 +350,8 @@ def round_kwargs(starting: list[Body]) -> dict:
                 f"different keyword arguments to backward() ({_words(blocks[0].kwargs)} and "
                 f"{_words(block.kwargs)}); one backward runs for the blocks of every invoke "
                 f"that opens one at that point. Pass the same arguments (retain_graph may "
-                f"differ).")
+                f"differ)."
+            )
     kwargs = dict(rest[0])
     if any("retain_graph" in b.kwargs for b in blocks):
         default = kwargs.get("create_graph", False)  # what backward() takes for a missing one
@@ -336,8 +368,10 @@ def _with_options(kwargs: dict, options: dict) -> dict:
     beside invokes); an option an invoke also passes must agree."""
     for key, value in options.items():
         if key in kwargs and not batching.same(kwargs[key], value):
-            raise ValueError(f"{key}= is passed to model.trace()/generate() and, differently, "
-                             f"to the invokes; one call runs them all: pass it once.")
+            raise ValueError(
+                f"{key}= is passed to model.trace()/generate() and, differently, "
+                f"to the invokes; one call runs them all: pass it once."
+            )
     return {**kwargs, **options}
 
 
@@ -351,7 +385,8 @@ def _check_rows_kept(kwargs: dict, module) -> None:
             raise NotImplementedError(
                 f"model.generate(..., {name}={n}) with invokes: generate runs {n} rows per "
                 f"input row, so an invoke's rows of its values are not its inputs' rows. Pass "
-                f"the batch to model.generate(inputs, {name}={n}) without invokes.")
+                f"the batch to model.generate(inputs, {name}={n}) without invokes."
+            )
 
 
 def _frames_on_stack() -> set:

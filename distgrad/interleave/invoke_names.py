@@ -16,6 +16,7 @@ Bodies switch only where the scheduler wakes them, so the shared names are copie
 namespace before each wake and read back out after it. Objects are never copied: a list
 appended to in every body is the one list, as in Python.
 """
+
 from __future__ import annotations
 
 from .transports import BodyRunners
@@ -49,20 +50,27 @@ class InvokeNames:
         # per frame: shared name -> what a body bound it to last (_UNBOUND: deleted)
         self.bound: dict = {key: {} for key in self.frames}
 
-    def runners(self, bodies: list, codes: list, registry: dict) -> "NamedRunners":
+    def runners(self, bodies: list, codes: list, registry: dict) -> NamedRunners:
         """Greenlets that run ``codes[i]`` as ``bodies[i]``, each in its own namespace."""
-        functions = {body: (lambda code=code, space=space: exec(code, space))
-                     for body, code, space in zip(bodies, codes, self.spaces)}
-        spaces = {id(body): (space, key)
-                  for body, space, key in zip(bodies, self.spaces, self.group)}
+        functions = {
+            body: (lambda code=code, space=space: exec(code, space))
+            for body, code, space in zip(bodies, codes, self.spaces)
+        }
+        spaces = {
+            id(body): (space, key) for body, space, key in zip(bodies, self.spaces, self.group)
+        }
         return NamedRunners(functions, registry, self, spaces)
 
     def bound_values(self) -> list[tuple]:
         """``(frame, names)`` for each frame invokes were written in: the shared names its
         bodies left bound, as that frame should get them."""
-        return [(frame, {name: value for name, value in self.bound[key].items()
-                         if value is not _UNBOUND})
-                for key, frame in self.frames.items()]
+        return [
+            (
+                frame,
+                {name: value for name, value in self.bound[key].items() if value is not _UNBOUND},
+            )
+            for key, frame in self.frames.items()
+        ]
 
 
 class NamedRunners(BodyRunners):

@@ -11,6 +11,7 @@ any kind in a checkpointed block's recompute, and the envoy's property for the k
 Adding a kind (a value that a module hook of the forward produces): an entry in ``KINDS`` here,
 the property on ``Envoy``, and a test against plain autograd. See docs/concepts.rst.
 """
+
 from __future__ import annotations
 
 from ..torch_internals import forward_hooks, forward_pre_hooks

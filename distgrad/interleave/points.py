@@ -5,6 +5,7 @@ so a trace that asks for nothing adds no hook. Each point counts how often it ha
 session; a request names a point and one of those counts (``key = (point, call)``), and the hook
 stops the run only when some body waits for exactly that key.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,19 @@ class ModulePoint:
     """A module's value of one kind (``kinds.py``): its output (a forward hook) or its call's
     arguments (a forward pre-hook)."""
 
-    __slots__ = ("session", "module", "path", "kind", "calls", "hid", "hooks", "key", "suffix",
-                 "value_of", "with_kwargs")
+    __slots__ = (
+        "session",
+        "module",
+        "path",
+        "kind",
+        "calls",
+        "hid",
+        "hooks",
+        "key",
+        "suffix",
+        "value_of",
+        "with_kwargs",
+    )
 
     def __init__(self, session, module: torch.nn.Module, path: str, kind: str):
         self.module = module
@@ -66,11 +78,13 @@ class ModulePoint:
 
     def passed(self) -> str:
         """The message for a request of this point after the run went past it."""
-        return (f"{self.path}.{self.kind} was requested after the run had passed it: the forward "
-                f"finished without another call of {self.path} after the point where you asked "
-                f"(it ran {self.calls} time(s) since the trace first named it). Read module "
-                f"values in the order the forward computes them, or use {self.path}.call(i) for "
-                f"the i-th call.")
+        return (
+            f"{self.path}.{self.kind} was requested after the run had passed it: the forward "
+            f"finished without another call of {self.path} after the point where you asked "
+            f"(it ran {self.calls} time(s) since the trace first named it). Read module "
+            f"values in the order the forward computes them, or use {self.path}.call(i) for "
+            f"the i-th call."
+        )
 
     def _fire(self, module, *args):
         """The hook, on every call of the module: hand the value over if a body waits for this

@@ -14,14 +14,16 @@ The objects, from the simplest:
 
 * ``NoTraceRequests`` (``backward.py``): a backward block opened outside any trace; it serves
   gradients only.
-* ``ForwardRequests`` (``forward_requests.py``): the trace body in the caller's frame over one forward, each
-  value handed over by a greenlet or a worker thread (``session.py``, ``transports.py``).
+* ``ForwardRequests`` (``forward_requests.py``): the trace body in the caller's frame over one
+  forward, each value handed over by a greenlet or a worker thread (``session.py``,
+  ``transports.py``).
 * ``Invokes`` (``invoke.py``): several bodies over one batch, served in invoke order.
 * ``StepRequests`` (``step.py``): a body over another library's training step
   (``model.trace_step``), whose loss and backward are the library's.
 * ``BodyRequests`` (``engines/pipeline/body_requests.py``): one body per microbatch of a pipeline
   schedule, values of other ranks' stages received.
 """
+
 from __future__ import annotations
 
 from ..errors import TraceStateError, TraceUsageError
@@ -62,13 +64,16 @@ class Requests:
     engine = None
     backward_refused = None
     unscales = False
-    invokes_refused = ("tracer.invoke(...) splits the batch of a trace run in place; under a "
-                       "pipeline schedule the schedule splits it into microbatches: pass the "
-                       "whole batch to model.trace(...).")
+    invokes_refused = (
+        "tracer.invoke(...) splits the batch of a trace run in place; under a "
+        "pipeline schedule the schedule splits it into microbatches: pass the "
+        "whole batch to model.trace(...)."
+    )
 
     def module_value(self, body, envoy, kind: str):
-        raise TraceUsageError(f"{envoy._path}.{kind} can only be used inside "
-                              "`with model.trace(...):`.")
+        raise TraceUsageError(
+            f"{envoy._path}.{kind} can only be used inside `with model.trace(...):`."
+        )
 
     def open_backward(self, body, block) -> None:
         raise NotImplementedError(f"{type(self).__name__} serves no backward block.")
@@ -86,13 +91,17 @@ class Requests:
         return inputs, None
 
     def loss(self, body):
-        raise TraceStateError("tracer.loss exists only in a pipeline trace; elsewhere compute "
-                              "the loss in the body (loss = model.output.logits.sum()).")
+        raise TraceStateError(
+            "tracer.loss exists only in a pipeline trace; elsewhere compute "
+            "the loss in the body (loss = model.output.logits.sum())."
+        )
 
     def result(self, body):
-        raise TraceStateError("tracer.result is what generate() returned: read it in the body "
-                              "of `with model.generate(...) as tracer:`; in model.trace(...) "
-                              "read model.output.")
+        raise TraceStateError(
+            "tracer.result is what generate() returned: read it in the body "
+            "of `with model.generate(...) as tracer:`; in model.trace(...) "
+            "read model.output."
+        )
 
     def run_rest(self) -> None:
         return None

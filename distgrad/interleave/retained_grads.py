@@ -6,6 +6,7 @@ body computed from the slice. ``fill_retained_grads`` hooks the full tensor up b
 backward of the trace, so that the slice's ``.grad`` is its rows of the full gradient,
 accumulated over backwards as retain_grad() does.
 """
+
 from __future__ import annotations
 
 import weakref

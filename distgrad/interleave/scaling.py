@@ -12,6 +12,7 @@ float16 gradients are shown in float32: divided in float16 by a scale of 2**16, 
 values that the scaler exists to keep would flush to zero. An edit is multiplied back and
 cast to the gradient's own dtype, as a hook doing the same by hand would.
 """
+
 from __future__ import annotations
 
 import torch

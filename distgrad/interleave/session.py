@@ -8,6 +8,7 @@ invoke body hands control to the trace's scheduler (see ``invoke.py``).
 ``BODIES`` maps the greenlet that runs a body to it: that is how ``.output``, ``.grad`` and
 ``.save()`` find their trace without any global "current trace" that other code could see.
 """
+
 from __future__ import annotations
 
 import greenlet
@@ -30,20 +31,21 @@ def current_body():
 class Body:
     """One with-block body that asks for values. ``requests`` serves it (``requests.py``)."""
 
-    def __init__(self, requests, rows: slice | None = None, index: int | None = None,
-                 scheduler=None):
-        self.requests = requests    # what serves this body's requests (requests.py)
-        self.rows = rows            # rows of the batch this body sees; None: all of them
-        self.index = index          # invoke number, for messages
+    def __init__(
+        self, requests, rows: slice | None = None, index: int | None = None, scheduler=None
+    ):
+        self.requests = requests  # what serves this body's requests (requests.py)
+        self.rows = rows  # rows of the batch this body sees; None: all of them
+        self.index = index  # invoke number, for messages
         self.scheduler = scheduler  # greenlet to yield to (invoke bodies); None: drive the run
-        self.pending = None         # key (point, call) this body waits for
+        self.pending = None  # key (point, call) this body waits for
         # How it wants that value: (rows it will see, for a gradient key the tensor whose .grad
         # it asked for, whether it asked through `.local` - this rank's shard as it is).
         self.wants = (rows, None, False)
-        self.pause = None           # Pause: where the run is paused for this body
-        self.block = None           # the open BackwardTracer, if any
+        self.pause = None  # Pause: where the run is paused for this body
+        self.block = None  # the open BackwardTracer, if any
         self.saves: list = []
-        self.labels: dict = {}      # id(tensor) -> (tensor, "model.x.output") for messages
+        self.labels: dict = {}  # id(tensor) -> (tensor, "model.x.output") for messages
 
     def label_of(self, tensor) -> str:
         entry = self.labels.get(id(tensor))
@@ -71,8 +73,17 @@ class Pause:
 
     __slots__ = ("key", "tensor", "kind", "rows", "view", "version", "replacement", "local")
 
-    def __init__(self, key, value, rows, kind: str, size: int, slices: dict | None,
-                 tensor=None, local: bool = False):
+    def __init__(
+        self,
+        key,
+        value,
+        rows,
+        kind: str,
+        size: int,
+        slices: dict | None,
+        tensor=None,
+        local: bool = False,
+    ):
         self.key = key
         self.tensor = tensor  # whose .grad this is, as the body named it
         self.kind = kind
@@ -131,28 +142,41 @@ class Session:
     stack), what the hooks call instead of the transport's hand-off.
     """
 
-    def __init__(self, kind: str, fn, bodies: list[Body], size: int = 0, threaded: bool = False,
-                 views=None, scale: float | None = None, hand=None):
+    def __init__(
+        self,
+        kind: str,
+        fn,
+        bodies: list[Body],
+        size: int = 0,
+        threaded: bool = False,
+        views=None,
+        scale: float | None = None,
+        hand=None,
+    ):
         self.kind = kind
         self.transport = ThreadTransport(fn) if threaded else GreenletTransport(fn)
         self.bodies = bodies
         self.size = size
-        self.wanted: dict = {}      # key -> number of bodies waiting for it
-        self.points: dict = {}      # (module id, kind) or tensor id -> point
-        self.installed: list = []   # every point made, to remove them all at close
+        self.wanted: dict = {}  # key -> number of bodies waiting for it
+        self.points: dict = {}  # (module id, kind) or tensor id -> point
+        self.installed: list = []  # every point made, to remove them all at close
         self.served: list[Body] = []
         self.slices: dict | None = None  # id(view) -> (view, full) for values split by invoke
         self.paused_value = None
         self.views = views
-        self.paused_token = None    # what views.show returned for the paused value
-        self.paused_key = None      # the key the run is paused at
-        self.microbatch = None      # under a pipeline schedule: the microbatch now running
+        self.paused_token = None  # what views.show returned for the paused value
+        self.paused_key = None  # the key the run is paused at
+        self.microbatch = None  # under a pipeline schedule: the microbatch now running
         self.outputs_watched: set = set()  # envoy paths whose enclosing modules have output points
         self.finished = False
         # One body that drives the run itself and sees whole values: nothing to merge, split
         # or show, so its requests take the short path (request_single).
-        self.single_body = (len(bodies) == 1 and bodies[0].scheduler is None
-                            and bodies[0].rows is None and views is None)
+        self.single_body = (
+            len(bodies) == 1
+            and bodies[0].scheduler is None
+            and bodies[0].rows is None
+            and views is None
+        )
         # What a point's hook calls to hand a wanted value over: the one hand-off of the
         # transport, given its wrapping here, once, so that nothing rebinds it later.
         hand = self.transport.hand if hand is None else hand
@@ -175,8 +199,9 @@ class Session:
         return point
 
     # -- the body side --------------------------------------------------------------------
-    def request(self, body: Body, key, passed_message, rows=UNSET, tensor=None,
-                local: bool = False) -> Pause:
+    def request(
+        self, body: Body, key, passed_message, rows=UNSET, tensor=None, local: bool = False
+    ) -> Pause:
         """Pause where ``key`` fires and return the body's view of it (its ``rows`` of it).
         ``passed_message()`` words the error if the run goes past ``key`` instead."""
         pause = body.pause
@@ -205,8 +230,7 @@ class Session:
             return pause
         raise passed_error(passed_message)
 
-    def request_single(self, body: Body, key, passed_message, tensor=None,
-                       local=False) -> Pause:
+    def request_single(self, body: Body, key, passed_message, tensor=None, local=False) -> Pause:
         """``request`` for a ``single_body`` session, when the body is not already at ``key``:
         the short path of the most common request (one body, whole values), counted by
         benchmarks/bytecodes.py. With one body there is no one to wait for but the run, so the

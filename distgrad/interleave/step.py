@@ -9,6 +9,7 @@ goes, sees the loss as ``tr.loss``, and opens its backward block on it: the bloc
 ``backward(loss)``. A body that opens no block gets the backward after it ends, so the step is
 the library's either way, exactly once.
 """
+
 from __future__ import annotations
 
 from ..errors import TraceStateError
@@ -22,8 +23,10 @@ class StepRequests(ForwardRequests):
 
     mode = "over a training step"
     unscales = False  # the step's own backward scales the loss as the library configured
-    invokes_refused = ("tracer.invoke(...) splits a batch, but a traced training step runs on "
-                       "the batch its library gave it: read the values of the whole batch.")
+    invokes_refused = (
+        "tracer.invoke(...) splits a batch, but a traced training step runs on "
+        "the batch its library gave it: read the values of the whole batch."
+    )
 
     def __init__(self, trace, run, backward):
         super().__init__(trace)
@@ -33,8 +36,7 @@ class StepRequests(ForwardRequests):
 
     def forward_session(self) -> Session:
         if self.forward is None:
-            self.forward = Session("forward", self._run, [self.trace.body],
-                                   views=self.engine.views)
+            self.forward = Session("forward", self._run, [self.trace.body], views=self.engine.views)
         return self.forward
 
     def _run(self):
@@ -46,7 +48,8 @@ class StepRequests(ForwardRequests):
         if loss is UNSET or loss is None:
             raise TraceStateError(
                 "the traced training step ended without handing over its loss (its run() "
-                "returned None): the step's backward cannot be run.")
+                "returned None): the step's backward cannot be run."
+            )
         return loss
 
     def loss(self, body):
@@ -63,14 +66,17 @@ class StepRequests(ForwardRequests):
                 f"in a traced training step the backward is the step's own "
                 f"({_name(self.step_backward)}), run once on its loss; a block on "
                 f"{body.label_of(block.loss)} would run a second one. Open it on the step's "
-                f"loss: `with tr.loss.backward():`.")
+                f"loss: `with tr.loss.backward():`."
+            )
         if block.args or block.kwargs:
             raise TraceStateError(
                 "`with tr.loss.backward(...)`: the step runs its backward with its own "
-                "arguments; open the block without any.")
+                "arguments; open the block without any."
+            )
         if self.backward_ran:
-            raise TraceStateError("the training step's backward has already run: open one "
-                                  "backward block per step.")
+            raise TraceStateError(
+                "the training step's backward has already run: open one backward block per step."
+            )
         block.backend = self
         super().open_backward(body, block)
 

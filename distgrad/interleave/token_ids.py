@@ -8,6 +8,7 @@ padding (an invoke's own ``attention_mask`` is padded with zeros; one is made of
 invoke gave none). The per-token fields beside the ids are padded with the value the model
 ignores there. A body then sees its rows as padded, as the model ran them.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -15,20 +16,31 @@ import numbers
 import torch
 
 # what each per-token field is padded with (None: the tokenizer's pad id)
-ROW_FIELDS = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0, "position_ids": 0,
-              "labels": -100}
+ROW_FIELDS = {
+    "input_ids": None,
+    "attention_mask": 0,
+    "token_type_ids": 0,
+    "position_ids": 0,
+    "labels": -100,
+}
 
 
 def is_ids(value) -> bool:
     """Token ids: an integer tensor of one or two dimensions, or (nested) lists of ints."""
     if isinstance(value, torch.Tensor):
-        return (value.dim() in (1, 2) and not value.is_floating_point()
-                and not value.is_complex() and value.dtype is not torch.bool)
+        return (
+            value.dim() in (1, 2)
+            and not value.is_floating_point()
+            and not value.is_complex()
+            and value.dtype is not torch.bool
+        )
     if isinstance(value, (list, tuple)) and value:
         first = value[0]
         if isinstance(first, (list, tuple)):
-            return all(isinstance(row, (list, tuple)) and row
-                       and all(_is_int(t) for t in row) for row in value)
+            return all(
+                isinstance(row, (list, tuple)) and row and all(_is_int(t) for t in row)
+                for row in value
+            )
         return all(_is_int(t) for t in value)
     return False
 
@@ -82,8 +94,10 @@ def pad_invokes(prepared: list[tuple[tuple, dict]], tokenizer) -> list[tuple[tup
                 fields[key] = rows
                 del kwargs[key]
             elif key == "attention_mask":
-                raise ValueError(f"invoke inputs: the attention_mask has rows of lengths "
-                                 f"{[len(r) for r in rows]} for token ids of lengths {lengths}.")
+                raise ValueError(
+                    f"invoke inputs: the attention_mask has rows of lengths "
+                    f"{[len(r) for r in rows]} for token ids of lengths {lengths}."
+                )
         per_invoke.append((args, kwargs, fields, slot))
     lengths = {len(row) for *_, fields, _ in per_invoke for row in fields["input_ids"]}
     masked = any("attention_mask" in fields for *_, fields, _ in per_invoke)
@@ -97,8 +111,9 @@ def pad_invokes(prepared: list[tuple[tuple, dict]], tokenizer) -> list[tuple[tup
     out = []
     for args, kwargs, fields, slot in per_invoke:
         if (len(lengths) > 1 or masked) and "attention_mask" not in fields:
-            fields["attention_mask"] = [torch.ones(len(r), dtype=torch.long)
-                                        for r in fields["input_ids"]]
+            fields["attention_mask"] = [
+                torch.ones(len(r), dtype=torch.long) for r in fields["input_ids"]
+            ]
         for key, rows in fields.items():
             value = pad_id if ROW_FIELDS[key] is None else ROW_FIELDS[key]
             kwargs[key] = torch.stack([_pad(r, width, value, left) for r in rows])
@@ -121,10 +136,14 @@ def _pad(row: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
 
 def _no_pad_message(tokenizer, lengths: list[int]) -> str:
     if tokenizer is None:
-        return (f"invoke inputs cannot be batched: token ids of lengths {lengths}, and "
-                f"distgrad.wrap() was given no tokenizer to pad them with. Call "
-                f"distgrad.wrap(module, tokenizer=...) or pad them to one length yourself "
-                f"(with an attention_mask).")
-    return (f"invoke inputs cannot be batched: token ids of lengths {lengths}, and the "
-            f"tokenizer has no pad token. Set one (tokenizer.pad_token = tokenizer.eos_token) "
-            f"or pad them to one length yourself (with an attention_mask).")
+        return (
+            f"invoke inputs cannot be batched: token ids of lengths {lengths}, and "
+            f"distgrad.wrap() was given no tokenizer to pad them with. Call "
+            f"distgrad.wrap(module, tokenizer=...) or pad them to one length yourself "
+            f"(with an attention_mask)."
+        )
+    return (
+        f"invoke inputs cannot be batched: token ids of lengths {lengths}, and the "
+        f"tokenizer has no pad token. Set one (tokenizer.pad_token = tokenizer.eos_token) "
+        f"or pad them to one length yourself (with an attention_mask)."
+    )

@@ -27,6 +27,7 @@ is an ``Outcome`` whose ``kind`` is ``"done"`` (``value``: the result), ``"error
 ``BodyRunners`` are the greenlets of bodies that a scheduler runs in turns (invokes, a
 pipeline's microbatches), from the same per-thread pool as the runs.
 """
+
 from __future__ import annotations
 
 import threading
@@ -50,7 +51,7 @@ class Outcome:
         self.kind = kind
         self.value = value
 
-    def taken(self) -> "Outcome":
+    def taken(self) -> Outcome:
         """The receiver's copy. The runner greenlet that made this one keeps it on its stack
         while it idles in the pool, so it is emptied here: the run's result (the logits, an
         exception and its frames) must die when the receiver lets go of it."""
@@ -209,7 +210,8 @@ class GreenletTransport(Transport):
             raise RuntimeError(
                 "distgrad: a hook fired on a thread other than the one running the trace "
                 f"({threading.current_thread().name}). For a backward on an accelerator set "
-                "distgrad.config.backward_mode = 'thread'.")
+                "distgrad.config.backward_mode = 'thread'."
+            )
         return glet.parent.switch(key, value)  # the receiver gets the pair (key, value)
 
     def abort(self):

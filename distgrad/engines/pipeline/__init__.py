@@ -14,6 +14,7 @@ pipeline engine (``deepspeed_pipe.py``), the body run once per microbatch on eve
 * ``messages.py``: values between stages, in bundles; ``checks.py``: bodies that differ between
   ranks; ``value_stages.py``: the stage each value came from.
 """
+
 from .adapter import PipelineAdapter
 from .deepspeed_pipe import DeepSpeedPipeEngine
 from .engine import PipelineEngine

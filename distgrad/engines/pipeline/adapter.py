@@ -7,6 +7,7 @@ data flows one way: an engine builds a ``ScheduleRun`` and hands it itself, as a
 Here too is what both engines share: the placement of stages on ranks, learned from every rank
 when the engine is built, and the whole model's modules found on this rank's stages.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,13 +29,17 @@ class PipelineAdapter(DistributedEngine):
     ``DistributedEngine``: ``job_rank``, ``job_world``, ``store``, ``running`` (the trace's
     number, in the keys of the job's store), ``answering`` (what the failure watcher asks where
     the rank is) and ``check_failure()``."""
+
     captures_body = True  # the trace body runs once per microbatch
 
-    def __init__(self, full_model: torch.nn.Module, submods: list, stage_indices: list,
-                 num_stages: int):
+    def __init__(
+        self, full_model: torch.nn.Module, submods: list, stage_indices: list, num_stages: int
+    ):
         if full_model is None:
-            raise TypeError("distgrad.wrap(pipeline, full_model=net): pass the whole model (it "
-                            "may be on the meta device) so that the body can use its paths.")
+            raise TypeError(
+                "distgrad.wrap(pipeline, full_model=net): pass the whole model (it "
+                "may be on the meta device) so that the body can use its paths."
+            )
         super().__init__(full_model, group=dist.group.WORLD, gather=False)
         self.full = full_model
         # values received from other stages are placed where this stage's parameters live

@@ -2,6 +2,7 @@
 block) and where each value comes from: this rank's own stage, paused at the value, or the rank
 whose stage runs it, waited for (``waits.py``). Each body of a microbatch holds the
 ``BodyRequests`` of its trace (``Body.requests``)."""
+
 from __future__ import annotations
 
 import dis
@@ -20,10 +21,10 @@ class MicrobatchBody(Body):
 
     def __init__(self, requests, index: int, scheduler):
         super().__init__(requests, index=index, scheduler=scheduler)
-        self.seq = 0          # values tagged for this body so far
+        self.seq = 0  # values tagged for this body so far
         self.last_stage = -1  # the latest stage whose forward value it read
         self.grad_stage = None  # the stage of the latest gradient it read
-        self.loss = None      # tr.loss, once read
+        self.loss = None  # tr.loss, once read
         # the module value it read last, while it asks for nothing else: (module id and
         # kind, the pause's assignment then, the pause) (BodyRequests.module_value)
         self.last_read = None
@@ -57,11 +58,15 @@ class BodyRequests(Requests):
         module, path = envoy._module, envoy._path
         stage = engine.stage_of(module)
         if stage is None:
-            raise TraceStateError(f"{path}.{kind}: no pipeline stage runs {path} itself (a "
-                                  f"container, or the whole model); name one of its layers.")
+            raise TraceStateError(
+                f"{path}.{kind}: no pipeline stage runs {path} itself (a "
+                f"container, or the whole model); name one of its layers."
+            )
         if body.block is not None or body.loss is not None:
-            raise OutOfOrderError(f"{path}.{kind} was requested after tr.loss; read forward "
-                                  f"values before tr.loss and `with tr.loss.backward():`.")
+            raise OutOfOrderError(
+                f"{path}.{kind} was requested after tr.loss; read forward "
+                f"values before tr.loss and `with tr.loss.backward():`."
+            )
         if kind == "input" and self.other_ranks and not _reads_first_input():
             raise TypeError(_INPUTS.format(path=path))
         self._in_order(body, stage, True, path, "." + kind)
@@ -77,10 +82,17 @@ class BodyRequests(Requests):
         body.seq += 1
         tag = body.index * 100_000 + body.seq
         if stage not in self.my_stages:
-            value = self.waits.wait_remote(body, self.placement.receive_action(
-                stage, body.index, True), self.rank_of_stage[stage], tag)
-            pause = last[2] if again else Pause(("remote", tag), _as_read(value, kind), None, kind,
-                                               0, None)
+            value = self.waits.wait_remote(
+                body,
+                self.placement.receive_action(stage, body.index, True),
+                self.rank_of_stage[stage],
+                tag,
+            )
+            pause = (
+                last[2]
+                if again
+                else Pause(("remote", tag), _as_read(value, kind), None, kind, 0, None)
+            )
             if again:  # the body's own assignment, unless the owner's numbers differ from it
                 value = self._own_or_received(pause, value, kind)
             self._remember_remote(value, stage, body.index, f"{path}.{kind}")
@@ -94,10 +106,10 @@ class BodyRequests(Requests):
             point = session.module_point(module, path, kind)
             for outer in envoy._ancestors():
                 if engine.owns(outer._module):
-                    session.module_point(engine.stage_module(outer._module), outer._path,
-                                         "output")
-        pause = self._request_local(body, (point, body.index), ("F-end", stage, body.index),
-                                   lambda: _passed(path, kind))
+                    session.module_point(engine.stage_module(outer._module), outer._path, "output")
+        pause = self._request_local(
+            body, (point, body.index), ("F-end", stage, body.index), lambda: _passed(path, kind)
+        )
         # what this read returns: the value, or what the body assigned; of a call's
         # (args, kwargs), the tensor `.input` reads (the only part that crosses stages)
         value = pause.value()
@@ -118,8 +130,7 @@ class BodyRequests(Requests):
         """A value of another rank's ``stage`` handed to the body: its gradient comes from
         there, and (of an earlier stage) no backward of this rank may reach it."""
         self.value_stages.note(value, stage)
-        if self.placement.receive_action(stage, microbatch, True)[0] == "F" and \
-                value.requires_grad:
+        if self.placement.receive_action(stage, microbatch, True)[0] == "F" and value.requires_grad:
             self.value_stages.watch(value, label, stage, microbatch)
 
     def _own_or_received(self, pause, value, kind: str):
@@ -132,9 +143,13 @@ class BodyRequests(Requests):
         own = pause.value()
         if kind == "input":
             own = first_argument(own, "")
-        if isinstance(own, torch.Tensor) and own.shape == value.shape and \
-                own.dtype == value.dtype and own.device == value.device and \
-                torch.equal(own.detach(), value.detach()):
+        if (
+            isinstance(own, torch.Tensor)
+            and own.shape == value.shape
+            and own.dtype == value.dtype
+            and own.device == value.device
+            and torch.equal(own.detach(), value.detach())
+        ):
             return own
         pause.replacement = _as_read(value, kind)
         return value
@@ -154,8 +169,9 @@ class BodyRequests(Requests):
         else:
             if ("B", last, body.index) in self.passed:
                 raise OutOfOrderError(_LATE_LOSS)
-            pause = self._request_local(body, (self.loss_point, body.index),
-                                       ("B", last, body.index), lambda: _LATE_LOSS)
+            pause = self._request_local(
+                body, (self.loss_point, body.index), ("B", last, body.index), lambda: _LATE_LOSS
+            )
             value = pause.view
             self._send(value, tag, body.index, True, last)
         body.loss = value
@@ -163,8 +179,10 @@ class BodyRequests(Requests):
 
     def open_backward(self, body, block) -> None:
         if block.tensor is not body.loss:
-            raise TraceStateError("in a pipeline trace the schedule runs the backward of its own "
-                                  "loss: open the block with `with tr.loss.backward():`.")
+            raise TraceStateError(
+                "in a pipeline trace the schedule runs the backward of its own "
+                "loss: open the block with `with tr.loss.backward():`."
+            )
         body.block = block
 
     def grad(self, body, tensor):
@@ -184,12 +202,20 @@ class BodyRequests(Requests):
             body.pause = Pause(("remote", tag), value, None, "grad", 0, None, tensor)
             return body.pause
         if not tensor.requires_grad:
-            raise GradientError(f"{body.label_of(tensor)}.grad: no gradient flows into it, "
-                                f"because it does not require grad.")
+            raise GradientError(
+                f"{body.label_of(tensor)}.grad: no gradient flows into it, "
+                f"because it does not require grad."
+            )
         point = session.grad_point(tensor)
-        pause = session.request(body, (point, point.calls), lambda: (
-            f"{body.label_of(tensor)}.grad was requested after this stage's backward had passed "
-            f"it; request gradients in reverse-forward order."), tensor=tensor)
+        pause = session.request(
+            body,
+            (point, point.calls),
+            lambda: (
+                f"{body.label_of(tensor)}.grad was requested after this stage's backward had "
+                f"passed it; request gradients in reverse-forward order."
+            ),
+            tensor=tensor,
+        )
         self._send(pause.view, tag, body.index, False, stage)
         return pause
 
@@ -213,13 +239,20 @@ class BodyRequests(Requests):
     def _in_order(self, body, stage: int, forward: bool, named, kind: str) -> None:
         """``named``: the module path, or the tensor whose label words the error."""
         last = body.last_stage
-        if forward and stage < last or not forward and body.block is not None and \
-                body.grad_stage is not None and stage > body.grad_stage:
+        if (
+            forward
+            and stage < last
+            or not forward
+            and body.block is not None
+            and body.grad_stage is not None
+            and stage > body.grad_stage
+        ):
             what = (named if isinstance(named, str) else body.label_of(named)) + kind
             raise OutOfOrderError(
                 f"{what} was requested after a value of stage "
                 f"{last if forward else body.grad_stage}; in a pipeline, forward values come "
-                f"stage by stage (0 first) and gradients in reverse (last stage first).")
+                f"stage by stage (0 first) and gradients in reverse (last stage first)."
+            )
         if forward:
             body.last_stage = stage
         else:
@@ -229,14 +262,18 @@ class BodyRequests(Requests):
 # What `with tr.loss.backward():` opens its block on when the body cannot see the loss: one
 # tensor for every body (nothing reads, edits or backpropagates it).
 _STAND_IN = torch.zeros((), requires_grad=True)
-_LATE_LOSS = ("tr.loss was requested after the last stage had started the microbatch's backward; "
-              "read tr.loss once, after the forward values and before the backward block.")
+_LATE_LOSS = (
+    "tr.loss was requested after the last stage had started the microbatch's backward; "
+    "read tr.loss once, after the forward values and before the backward block."
+)
 
 
-_INPUTS = ("{path}.inputs: distgrad sends only tensors between pipeline stages, and a call's "
-           "(args, kwargs) is not one. Use {path}.input (the first positional argument, or the "
-           "first keyword's value), which every rank can read; for another argument, read the "
-           "output of the module that makes it.")
+_INPUTS = (
+    "{path}.inputs: distgrad sends only tensors between pipeline stages, and a call's "
+    "(args, kwargs) is not one. Use {path}.input (the first positional argument, or the "
+    "first keyword's value), which every rank can read; for another argument, read the "
+    "output of the module that makes it."
+)
 
 
 def first_argument(pair, path: str):
@@ -269,8 +306,10 @@ def _reads_first_input() -> bool:
 
 
 def _passed(path, kind):
-    return (f"{path}.{kind} was requested after this stage had run it for the microbatch; read "
-            f"module values in forward order.")
+    return (
+        f"{path}.{kind} was requested after this stage had run it for the microbatch; read "
+        f"module values in forward order."
+    )
 
 
 # -- whether `tr.loss` only opens a block --------------------------------------------------
@@ -283,12 +322,20 @@ def only_opens_block(frame) -> bool:
     site = (frame.f_code, frame.f_lasti)
     known = _SITES.get(site)
     if known is None:
-        ops = [(op.offset, op.opname, op.argval) for op in dis.get_instructions(frame.f_code)
-               if op.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL", "NOP")]
+        ops = [
+            (op.offset, op.opname, op.argval)
+            for op in dis.get_instructions(frame.f_code)
+            if op.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL", "NOP")
+        ]
         here = [i for i, op in enumerate(ops) if op[0] <= frame.f_lasti][-1:]
-        seen = [op[1:] for op in ops[here[0]: here[0] + 5]] if here else []
-        known = _SITES[site] = len(seen) == 5 and seen[0] == ("LOAD_ATTR", "loss") and \
-            seen[1][0] in ("LOAD_METHOD", "LOAD_ATTR") and seen[1][1] == "backward" and \
-            seen[2] == ("CALL", 0) and seen[3][0] in ("BEFORE_WITH", "SETUP_WITH") and \
-            seen[4][0] == "POP_TOP"
+        seen = [op[1:] for op in ops[here[0] : here[0] + 5]] if here else []
+        known = _SITES[site] = (
+            len(seen) == 5
+            and seen[0] == ("LOAD_ATTR", "loss")
+            and seen[1][0] in ("LOAD_METHOD", "LOAD_ATTR")
+            and seen[1][1] == "backward"
+            and seen[2] == ("CALL", 0)
+            and seen[3][0] in ("BEFORE_WITH", "SETUP_WITH")
+            and seen[4][0] == "POP_TOP"
+        )
     return known

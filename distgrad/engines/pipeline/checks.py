@@ -15,6 +15,7 @@ DeepSpeed's pipeline, GPUs, stages that are not neighbours) asks the peer's fail
 watcher, which writes what its rank has sent so far and which bundles have gone
 (``publish_state``).
 """
+
 from __future__ import annotations
 
 import struct
@@ -39,15 +40,15 @@ class RequestCheck:
         self.engine, self.channel = engine, channel
         self.rank, self.world = engine.job_rank, engine.job_world
         # what the check compares, by peer
-        self.owed_to: dict = {}   # dst -> [tags of the values this rank sends it]
+        self.owed_to: dict = {}  # dst -> [tags of the values this rank sends it]
         self.asked_of: dict = {}  # src -> [tags of the values this rank's bodies asked it for]
         # what a peer that waits in vain reads (publish_state)
-        self.sent_to: dict = {}   # dst -> [tags of the bundles sent to it on the channel]
-        self.flushed: list = []   # tags of the actions whose bundles have gone
-        self.published = False    # whether this rank's sends are in the store for good
-        self.receives = None      # {peer: (buffer, receive)} of the peers' numbers, once posted
-        self.numbers = None       # this rank's numbers, once sent (start)
-        self.sends: list = []     # the sends of those numbers
+        self.sent_to: dict = {}  # dst -> [tags of the bundles sent to it on the channel]
+        self.flushed: list = []  # tags of the actions whose bundles have gone
+        self.published = False  # whether this rank's sends are in the store for good
+        self.receives = None  # {peer: (buffer, receive)} of the peers' numbers, once posted
+        self.numbers = None  # this rank's numbers, once sent (start)
+        self.sends: list = []  # the sends of those numbers
 
     # -- what Messages and Waits report -------------------------------------------------------
     def owe(self, dst: int, tag: int) -> None:
@@ -88,12 +89,16 @@ class RequestCheck:
         on a failure (a pending collective would)."""
         peers = range(self.world)
         self.numbers = numbers = torch.tensor(
-            [_digest(self.owed_to.get(p, ())) for p in peers] +
-            [_digest(self.asked_of.get(p, ())) for p in peers] + [unclaimed], dtype=torch.int64)
+            [_digest(self.owed_to.get(p, ())) for p in peers]
+            + [_digest(self.asked_of.get(p, ())) for p in peers]
+            + [unclaimed],
+            dtype=torch.int64,
+        )
         if self.receives is None:
             self.post_receives()
-        self.sends = [self.channel.send([numbers], peer, _CHECK)
-                      for peer in peers if peer != self.rank]
+        self.sends = [
+            self.channel.send([numbers], peer, _CHECK) for peer in peers if peer != self.rank
+        ]
 
     def agree(self) -> None:
         """Wait for every peer's numbers and raise, on every rank alike, if two ranks differ."""
@@ -105,11 +110,18 @@ class RequestCheck:
             work.wait()  # the peer posted its receive when it started its check
         table = [row.tolist() for row in rows]
         w = self.world
-        wrong = [f"rank {s} sent rank {r} {table[s][r] >> 32} value(s), rank {r} asked for "
-                 f"{table[r][w + s] >> 32}" for s in range(w) for r in range(w)
-                 if s != r and table[s][r] != table[r][w + s]]
-        wrong += [f"rank {r} got {table[r][-1]} value(s) its body did not ask for"
-                  for r in range(w) if table[r][-1]]
+        wrong = [
+            f"rank {s} sent rank {r} {table[s][r] >> 32} value(s), rank {r} asked for "
+            f"{table[r][w + s] >> 32}"
+            for s in range(w)
+            for r in range(w)
+            if s != r and table[s][r] != table[r][w + s]
+        ]
+        wrong += [
+            f"rank {r} got {table[r][-1]} value(s) its body did not ask for"
+            for r in range(w)
+            if table[r][-1]
+        ]
         if wrong:
             raise TraceStateError(_MISMATCH + "; ".join(wrong) + ").")
 
@@ -133,11 +145,15 @@ class RequestCheck:
                 asked.append(True)
                 ask(self.engine.store, self.engine.running)
             published = self._published_by(src)
-            if published is not None and tag not in published[0] and (
-                    published[1] is None or tag in published[1]):
+            if (
+                published is not None
+                and tag not in published[0]
+                and (published[1] is None or tag in published[1])
+            ):
                 raise TraceStateError(
                     _MISMATCH + f"this rank, {self.rank}, waits for values of bundle {action} "
-                    f"that rank {src} did not send: its body did not ask for them).")
+                    f"that rank {src} did not send: its body did not ask for them)."
+                )
 
         _wait_landing(buf[:8].view(torch.int64).numpy(), self.engine, after_slice)
         work.wait()  # landed, or landing: nothing can stop it now
@@ -169,6 +185,7 @@ class RequestCheck:
         """Wait for a peer's numbers of the end-of-step check, reading the failure key every
         ``failure_timeout`` seconds; after the first slice, publish this rank's sends for a
         peer that waits for a bundle none is coming of."""
+
         def after_slice():
             self.engine.check_failure()
             if not self.published:
@@ -207,10 +224,12 @@ def _wait_landing(head, engine, after_slice) -> None:
 
 
 _CHECK = 1 << 24  # the end-of-step check's tag, apart from every bundle's (messages._tag)
-_MISMATCH = ("the pipeline body asked for different values on different ranks (every rank runs "
-             "the body and serves the same requests: keep requests such as `.output` and `.grad` "
-             "out of rank-dependent branches like `if rank == 0:`, and branch on the values "
-             "instead; ")
+_MISMATCH = (
+    "the pipeline body asked for different values on different ranks (every rank runs "
+    "the body and serves the same requests: keep requests such as `.output` and `.grad` "
+    "out of rank-dependent branches like `if rank == 0:`, and branch on the values "
+    "instead; "
+)
 
 
 def _digest(tags) -> int:

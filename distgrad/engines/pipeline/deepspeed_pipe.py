@@ -33,6 +33,7 @@ once per microbatch on every rank, values cross stages from their owner. Here:
   holds the same layer objects under the paths you want (``nn.Sequential(*blocks)``). Layers given
   as ``LayerSpec`` are built on their own stage only, so build them yourself and pass instances.
 """
+
 from __future__ import annotations
 
 from ..deepspeed import local_grad
@@ -45,6 +46,7 @@ class DeepSpeedPipeEngine(PipelineAdapter):
     with the whole model for its paths; see the module text. Its messages are DeepSpeed's own,
     so no bundle piggybacks on them (``can_piggyback`` stays False): each is a message of its
     own on distgrad's channel."""
+
     name = "deepspeed-pipe"
 
     def __init__(self, engine, full_model):
@@ -63,7 +65,8 @@ class DeepSpeedPipeEngine(PipelineAdapter):
                 f"{ds.fp16_enabled()}, bf16 {ds.bfloat16_enabled()}, torch autocast's grad "
                 f"scaler {scaled}, whose optimizers keep the gradients scaled or in buffers of "
                 "their own. Train in fp32 to record, use a torch.distributed.pipelining "
-                "schedule, or read the gradients in the trace's backward block.")
+                "schedule, or read the gradients in the trace's backward block."
+            )
 
     def grad_pieces(self, module):
         # ZeRO-1 keeps the reduced gradient in its flat partition (p.grad is None); with one
@@ -87,6 +90,7 @@ class DeepSpeedPipeEngine(PipelineAdapter):
             if take in self.grad_takers:
                 self.grad_takers.remove(take)
                 self._install()
+
         return unwatch
 
     def microbatches(self) -> int:
@@ -94,13 +98,17 @@ class DeepSpeedPipeEngine(PipelineAdapter):
 
     def run_step(self, args: tuple, kwargs: dict):
         if len(args) != 1 or kwargs:
-            raise TypeError("model.trace(microbatches) under DeepSpeed's pipeline engine takes one "
-                            "argument: a list of (inputs, labels), one per microbatch.")
+            raise TypeError(
+                "model.trace(microbatches) under DeepSpeed's pipeline engine takes one "
+                "argument: a list of (inputs, labels), one per microbatch."
+            )
         microbatches = list(args[0])
         if len(microbatches) != self.ds.micro_batches:
-            raise ValueError(f"model.trace(microbatches): got {len(microbatches)} microbatches, "
-                             f"the engine runs {self.ds.micro_batches} "
-                             f"(gradient_accumulation_steps).")
+            raise ValueError(
+                f"model.trace(microbatches): got {len(microbatches)} microbatches, "
+                f"the engine runs {self.ds.micro_batches} "
+                f"(gradient_accumulation_steps)."
+            )
         return self.ds.train_batch(data_iter=iter(microbatches))
 
     def instrument(self, on_action, on_loss):
@@ -108,6 +116,7 @@ class DeepSpeedPipeEngine(PipelineAdapter):
         schedule runs each stage's microbatches first in, first out, so counting them numbers
         the microbatches), and read its ``loss`` after the last stage's forward."""
         from deepspeed.runtime.pipe import schedule
+
         table = type(self.ds)._INSTRUCTION_MAP
         forward, backward = table[schedule.ForwardPass], table[schedule.BackwardPass]
         count = {"F": 0, "B": 0}
@@ -121,15 +130,19 @@ class DeepSpeedPipeEngine(PipelineAdapter):
                     real(engine, *args, **kwargs)
                 if phase == "F" and engine.is_last_stage():
                     on_loss(microbatch, engine.loss)
+
             return run
 
-        self.action_wraps = {schedule.ForwardPass: counted("F", forward),
-                            schedule.BackwardPass: counted("B", backward)}
+        self.action_wraps = {
+            schedule.ForwardPass: counted("F", forward),
+            schedule.BackwardPass: counted("B", backward),
+        }
         self._install()
 
         def restore():
             self.action_wraps = {}
             self._install()
+
         return restore
 
     def run_captured(self, trace, code, names, frame) -> None:
@@ -139,6 +152,7 @@ class DeepSpeedPipeEngine(PipelineAdapter):
         """Put the trace's instruction wraps and the Recorder's gradient takers on the engine
         (an instance attribute over the class's table), or take them all off."""
         from deepspeed.runtime.pipe import schedule
+
         ds = self.ds
         table = dict(type(ds)._INSTRUCTION_MAP)
         table.update(self.action_wraps)
@@ -149,6 +163,7 @@ class DeepSpeedPipeEngine(PipelineAdapter):
                 for take in list(self.grad_takers):
                     take()
                 step(engine, *args, **kwargs)
+
             table[schedule.OptimizerStep] = take_then_step
         if self.action_wraps or self.grad_takers:
             ds._INSTRUCTION_MAP = table

@@ -6,8 +6,8 @@ The step runs where the trace is, so a value reaches its body with one greenlet 
 body and one back, and no scheduler loop between them:
 
 * a hook that fires with a wanted value calls ``DirectStep.hand`` (the hand-off the step's
-  session is built with), which gives it to the body that waits, switches into the body until it asks for its next value, and
-  returns the body's reply to the schedule;
+  session is built with), which gives it to the body that waits, switches into the body until
+  it asks for its next value, and returns the body's reply to the schedule;
 * an action event delivers the other stages' values due then to the bodies that wait for them,
   and wakes the body whose local value has passed (it raises);
 * when the last body ends, mid-step, the ``"end"`` bundles go and the end-of-step check starts
@@ -18,12 +18,13 @@ body and one back, and no scheduler loop between them:
 Only on one thread: on CUDA the backward calls hooks on autograd's device threads, which cannot
 switch into a greenlet of the trace's thread.
 """
+
 from __future__ import annotations
 
 import greenlet
 
+from ...interleave.session import BODIES, Pause, Session
 from ...interleave.transports import Abort
-from ...interleave.session import BODIES, Session, Pause
 
 _getcurrent = greenlet.getcurrent
 
@@ -40,7 +41,7 @@ class DirectStep:
         self.remote, self.deadlines = waits.remote, waits.deadlines
         self.step = run_step
         self.main = _getcurrent()  # the trace's greenlet, where the step runs
-        self.body_error = None     # a body's exception, while it unwinds the step as Abort
+        self.body_error = None  # a body's exception, while it unwinds the step as Abort
         self.bodies_finished = False
 
     def run(self, bodies) -> None:
@@ -87,15 +88,17 @@ class DirectStep:
             raise RuntimeError(
                 "distgrad: a pipeline hook fired outside the step it traces (on another thread, "
                 "or inside a trace body). For a backward on an accelerator set "
-                "distgrad.config.backward_mode = 'thread'.")
+                "distgrad.config.backward_mode = 'thread'."
+            )
         session = self.session
         kind = key[0].kind
         served = []
         for body in session.bodies:
             if body.pending == key:
                 rows, tensor, local = body.wants
-                body.pause = Pause(key, value, rows, kind, session.size, session.slices, tensor,
-                                 local)
+                body.pause = Pause(
+                    key, value, rows, kind, session.size, session.slices, tensor, local
+                )
                 served.append(body)
         try:
             for body in served:

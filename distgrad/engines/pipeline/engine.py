@@ -5,7 +5,7 @@
     model = distgrad.wrap(schedule, full_model=net)      # net: the whole model, for its paths
     with model.trace(x, target=y) as tr:
         h = model.layers[1].output.save()                # whichever stage runs layers[1]
-        with tr.loss.backward():                         # the schedule's backward of this microbatch
+        with tr.loss.backward():                         # this microbatch's backward
             g = h.grad.save()
             h.grad = h.grad * 2
 
@@ -43,14 +43,20 @@ Gradients: torch's schedules backpropagate each microbatch's loss unscaled and d
 parameter gradients by the number of microbatches afterwards (``scale_grads``), so the body sees
 the gradient of its own microbatch's loss, as a data-parallel rank sees its own rows.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ...torch_internals import (replace_schedule_loss_step, restore_schedule_loss_step,
-                               schedule_last_loss, schedule_loss_step, schedule_microbatches,
-                               schedule_stages)
+from ...torch_internals import (
+    replace_schedule_loss_step,
+    restore_schedule_loss_step,
+    schedule_last_loss,
+    schedule_loss_step,
+    schedule_microbatches,
+    schedule_stages,
+)
 from .adapter import PipelineAdapter
 from .schedule_run import ScheduleRun
 
@@ -59,18 +65,25 @@ class PipelineEngine(PipelineAdapter):
     """A ``torch.distributed.pipelining`` schedule, wrapped with the whole model
     (``full_model``) for its paths: the trace body runs once per microbatch on every rank
     (see the module text and docs/engines/pipeline.md)."""
+
     name = "pipeline"
 
     def __init__(self, schedule, full_model: torch.nn.Module):
         stages = schedule_stages(schedule)
         if not stages:
-            raise NotImplementedError(f"distgrad.wrap({type(schedule).__name__}): a schedule "
-                                      f"with no pipeline stage is not supported.")
+            raise NotImplementedError(
+                f"distgrad.wrap({type(schedule).__name__}): a schedule "
+                f"with no pipeline stage is not supported."
+            )
         _refuse_split_backward(schedule, stages)
         self.schedule, self.stages = schedule, list(stages)
         self.stage = self.stages[0]
-        super().__init__(full_model, [st.submod for st in stages],
-                         [st.stage_index for st in stages], stages[0].num_stages)
+        super().__init__(
+            full_model,
+            [st.submod for st in stages],
+            [st.stage_index for st in stages],
+            stages[0].num_stages,
+        )
 
     def microbatches(self) -> int:
         return schedule_microbatches(self.schedule)
@@ -95,6 +108,7 @@ class PipelineEngine(PipelineAdapter):
             def run(chunk_id, *args, **kwargs):
                 with on_action(phase, index, chunk_id):
                     return real(chunk_id, *args, **kwargs)
+
             return run
 
         def compute_loss(st, output, target_mbs, mb_index, *args, **kwargs):
@@ -112,6 +126,7 @@ class PipelineEngine(PipelineAdapter):
                 for name in ("forward_one_chunk", "backward_one_chunk"):
                     stage.__dict__.pop(name, None)
             restore_schedule_loss_step(schedule)
+
         return restore
 
     def can_piggyback(self) -> bool:
@@ -136,9 +151,15 @@ class PipelineEngine(PipelineAdapter):
 
         def receives(stage, name, phase, records):  # records: the stage's {chunk: receive records}
             real, index = getattr(stage, name), stage.stage_index
-            setattr(stage, name, lambda chunk: messages.incoming(
-                phase, index, chunk, real(chunk), getattr(stage, records).get(chunk, ())))
+            setattr(
+                stage,
+                name,
+                lambda chunk: messages.incoming(
+                    phase, index, chunk, real(chunk), getattr(stage, records).get(chunk, ())
+                ),
+            )
             patched.append((stage, name))
+
         for stage in self.stages:
             if stage.stage_index in placement.piggyback_to:  # activations out, gradients in
                 sends(stage, "get_fwd_send_ops", "F")
@@ -151,6 +172,7 @@ class PipelineEngine(PipelineAdapter):
             messages.give_back()
             for stage, name in patched:
                 stage.__dict__.pop(name, None)
+
         return restore
 
     def run_captured(self, trace, code, names, frame) -> None:
@@ -161,10 +183,15 @@ def _refuse_split_backward(schedule, stages) -> None:
     """Zero-bubble schedules split each backward in two (input, then weights), which the
     action events here do not model."""
     order = getattr(schedule, "pipeline_order", None) or {}
-    kinds = {getattr(a.computation_type, "value", a.computation_type)
-             for actions in order.values() for a in actions or () if a is not None}
+    kinds = {
+        getattr(a.computation_type, "value", a.computation_type)
+        for actions in order.values()
+        for a in actions or ()
+        if a is not None
+    }
     if kinds & {"I", "W"}:
         raise NotImplementedError(
             f"distgrad.wrap({type(schedule).__name__}): schedules that split the backward into "
             f"input and weight parts (zero-bubble) are not supported; use ScheduleGPipe, "
-            f"Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS.")
+            f"Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS."
+        )

@@ -25,6 +25,7 @@ polled, the failure watcher's news looked at every 0.1 s, and every ``config.fai
 seconds the job's failure key and the peer's list of sends are read
 (``RequestCheck.wait_for_bundle``).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -37,9 +38,9 @@ from ..ranks.layout import DTYPE_CODE, DTYPES
 
 _string_at = ctypes.string_at  # the bytes at an address: one copy, nothing else made
 
-_CAP = 1 << 16    # bytes of a bundle in its first message
-_META = 14        # int64s per value: tag, dtype code, requires_grad, ndim, shape (9), nbytes
-_ALIGN = 16       # payloads start at multiples of this, so that they view as any dtype
+_CAP = 1 << 16  # bytes of a bundle in its first message
+_META = 14  # int64s per value: tag, dtype code, requires_grad, ndim, shape (9), nbytes
+_ALIGN = 16  # payloads start at multiples of this, so that they view as any dtype
 _ZEROS = [(0,) * (_META - 5 - n) for n in range(_META - 4)]  # shape padding by ndim
 _META_BYTES = struct.Struct(f"<{_META}q").pack  # one value's metadata, packed as it is queued
 _HEAD = struct.Struct("<2q").pack  # a bundle's total bytes and its number of values
@@ -70,25 +71,26 @@ class Messages:
         self.piggybacked: dict = {}  # action -> where its piggybacked bytes arrive (incoming)
         self.buffers = buffers
         self.replaced: list = []  # (stage's receive record, its own buffer) while ours stands in
-        self.outbox: dict = {}    # action -> {dst: [(tag, copy of the value)]}
+        self.outbox: dict = {}  # action -> {dst: [(tag, copy of the value)]}
         self.flushed: set = set()  # actions whose bundles are going (no value may join them)
-        self.pending: list = []   # send works and their buffers, until finish()
-        self.posted: dict = {}    # (src, action) -> [buffer, work]; work None once unpacked
+        self.pending: list = []  # send works and their buffers, until finish()
+        self.posted: dict = {}  # (src, action) -> [buffer, work]; work None once unpacked
         self.received: dict = {}  # (src, tag) -> a value unpacked from a bundle, until taken
 
     # -- the owner ---------------------------------------------------------------------------
     def send(self, value, tag: int, actions: dict) -> None:
         """Queue ``value`` for each ``dst`` in ``actions``, in its bundle for ``actions[dst]``."""
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"distgrad sends only tensors between pipeline stages; this value is "
-                            f"a {type(value).__name__}. Read a tensor inside it on its stage.")
+            raise TypeError(
+                f"distgrad sends only tensors between pipeline stages; this value is "
+                f"a {type(value).__name__}. Read a tensor inside it on its stage."
+            )
         if not actions:  # no other rank (a one-rank pipeline): nothing to pack
             return
         entry = _entry(value, tag)
         for dst, action in actions.items():
             if action in self.flushed:
-                raise RuntimeError(f"distgrad: a value for bundle {action} came after it was "
-                                   f"sent.")
+                raise RuntimeError(f"distgrad: a value for bundle {action} came after it was sent.")
             self.outbox.setdefault(action, {}).setdefault(dst, []).append(entry)
             self.check.owe(dst, tag)
 
@@ -96,8 +98,13 @@ class Messages:
         """Send the bundles for ``action`` to each rank that has values in one."""
         self.flushed.add(action)
         bundles = self.outbox.pop(action, {})
-        peer = None if action == "end" else self.piggyback_to.get(action[1] - 1) \
-            if action[0] == "F" else self.piggyback_from.get(action[1] + 1)
+        peer = (
+            None
+            if action == "end"
+            else self.piggyback_to.get(action[1] - 1)
+            if action[0] == "F"
+            else self.piggyback_from.get(action[1] + 1)
+        )
         if peer is not None:  # that one rides on the schedule's message (outgoing)
             self.outbox[action] = {peer: bundles.pop(peer, [])}
         for dst, entries in bundles.items():
@@ -174,9 +181,12 @@ class Messages:
         kept = self.buffers.get(action)  # kept by the engine: the same buffers every step
         if kept is None or kept[0] != (tensor.shape, tensor.dtype):
             both = torch.empty(size + _CAP, dtype=torch.uint8)
-            kept = self.buffers[action] = ((tensor.shape, tensor.dtype), both,
-                                           memoryview(both.numpy()),
-                                           both[:size].view(tensor.dtype).view(tensor.shape))
+            kept = self.buffers[action] = (
+                (tensor.shape, tensor.dtype),
+                both,
+                memoryview(both.numpy()),
+                both[:size].view(tensor.dtype).view(tensor.shape),
+            )
         _, both, view, inside = kept
         info = next((i for i in infos if i.buffer is tensor), None)
         if info is not None:  # the schedule reads its input where the bytes land
@@ -245,8 +255,7 @@ class Messages:
         self.expect(src, action)
         entry = self.posted.get((src, action))
         if entry is None:  # a piggybacked bundle is unpacked before its action: not reached
-            raise RuntimeError(f"distgrad: bundle {action} of rank {src} was taken before it "
-                               f"came.")
+            raise RuntimeError(f"distgrad: bundle {action} of rank {src} was taken before it came.")
         if entry[1] is not None:
             self._unpack(src, action, entry)
         value = self.received.pop((src, tag), None)
@@ -258,7 +267,8 @@ class Messages:
                 f"its stage had passed it when its own body asked for it (in a pipeline, request "
                 f"values in forward order, stage by stage, and gradients in reverse), or its body "
                 f"never asked for it (keep requests out of rank-dependent branches such as "
-                f"`if rank == 0:`).")
+                f"`if rank == 0:`)."
+            )
         return value
 
     def _unpack(self, src: int, action, entry) -> None:
@@ -288,14 +298,26 @@ def _entry(value: torch.Tensor, tag: int) -> tuple:
     shape = value.shape
     ndim = len(shape)
     if ndim > _META - 5:
-        raise ValueError(f"distgrad sends tensors of at most {_META - 5} dimensions between "
-                         f"pipeline stages, not {ndim}.")
+        raise ValueError(
+            f"distgrad sends tensors of at most {_META - 5} dimensions between "
+            f"pipeline stages, not {ndim}."
+        )
     raw = _bytes_of(value)
     nbytes = len(raw)
     if nbytes % _ALIGN:
         raw += bytes(_ALIGN - nbytes % _ALIGN)
-    return (_META_BYTES(tag, DTYPE_CODE[value.dtype], int(value.requires_grad), ndim, *shape,
-                        *_ZEROS[ndim], nbytes), raw)
+    return (
+        _META_BYTES(
+            tag,
+            DTYPE_CODE[value.dtype],
+            int(value.requires_grad),
+            ndim,
+            *shape,
+            *_ZEROS[ndim],
+            nbytes,
+        ),
+        raw,
+    )
 
 
 def _bytes_of(value: torch.Tensor) -> bytes:
@@ -328,16 +350,19 @@ def _values(view: memoryview, count: int, device: torch.device) -> list:
     on_host = device.type == "cpu"
     out = []
     for i in range(count):
-        tag, code, grad, ndim, *rest = meta[_META * i: _META * (i + 1)]
+        tag, code, grad, ndim, *rest = meta[_META * i : _META * (i + 1)]
         shape, nbytes = rest[:ndim], rest[-1]
         dtype = DTYPES[code]
         if not nbytes:
             data = torch.empty(shape, dtype=dtype)
         elif on_host and not grad:  # a copy of its own: the bytes copied without a torch call
-            data = torch.frombuffer(bytearray(view[offset:offset + nbytes]), dtype=dtype).view(shape)
+            data = torch.frombuffer(bytearray(view[offset : offset + nbytes]), dtype=dtype).view(
+                shape
+            )
         else:
-            data = torch.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize,
-                                    offset=offset).view(shape)
+            data = torch.frombuffer(
+                view, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset
+            ).view(shape)
             if not on_host:
                 data = data.to(device)  # where this rank's stage computes: a copy
         # A graph of its own: a non-leaf copy, editable in place, that `with x.backward():`
@@ -369,4 +394,3 @@ def _pack(entries: list) -> bytearray:
     for _, raw in entries:
         out += raw
     return out
-

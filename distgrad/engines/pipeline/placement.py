@@ -20,6 +20,7 @@ schedules each rank has one stage between any two of another rank's, so a bundle
 stage, and between neighbouring stages it rides on the schedule's own message (piggybacked:
 ``piggyback_to``, ``piggyback_from``).
 """
+
 from __future__ import annotations
 
 
@@ -48,7 +49,7 @@ class Placement:
                 if peer is not None and can_piggyback[rank] and can_piggyback[peer]:
                     links[stage] = peer
         self._receiving: dict = {}  # (stage, microbatch, forward) -> this rank's action
-        self._sending: dict = {}    # (microbatch, forward, stage) -> {rank: its action}
+        self._sending: dict = {}  # (microbatch, forward, stage) -> {rank: its action}
 
     def refusal(self) -> str | None:
         """Why distgrad cannot run this placement of stages on ranks, or None. Every rank holds
@@ -57,26 +58,35 @@ class Placement:
         world = len(stages_of_rank)
         counts = {len(s) for s in stages_of_rank.values()}
         if len(counts) > 1:
-            return (f"distgrad.wrap: distgrad runs pipelines with the same number of stages on "
-                    f"every rank: {num_stages} stages on {world} ranks, placed {stages_of_rank} "
-                    f"(rank: its stages).")
+            return (
+                f"distgrad.wrap: distgrad runs pipelines with the same number of stages on "
+                f"every rank: {num_stages} stages on {world} ranks, placed {stages_of_rank} "
+                f"(rank: its stages)."
+            )
         if counts.pop() * world != num_stages:
-            return (f"distgrad.wrap: distgrad runs one pipeline over all the job's ranks, each "
-                    f"stage on one rank; here {world} ranks run {num_stages} stages, placed "
-                    f"{stages_of_rank} (rank: its stages). Pipelines replicated for data "
-                    f"parallelism are not supported.")
+            return (
+                f"distgrad.wrap: distgrad runs one pipeline over all the job's ranks, each "
+                f"stage on one rank; here {world} ranks run {num_stages} stages, placed "
+                f"{stages_of_rank} (rank: its stages). Pipelines replicated for data "
+                f"parallelism are not supported."
+            )
         for rank, stages in stages_of_rank.items():
             if any(b == a + 1 for a, b in zip(stages, stages[1:])):
-                return (f"distgrad.wrap: stages {stages} run on rank {rank}, two of them "
-                        f"neighbours (a V-shaped schedule); distgrad supports schedules whose "
-                        f"neighbouring stages are on different ranks (GPipe, 1F1B, "
-                        f"Interleaved1F1B, LoopedBFS).")
-        if num_stages > world and any(r != s % world
-                                      for r, stages in stages_of_rank.items() for s in stages):
-            return (f"distgrad.wrap: with several stages per rank distgrad needs them placed "
-                    f"round robin (stage s on rank s % {world}, as ScheduleInterleaved1F1B and "
-                    f"ScheduleLoopedBFS do), so that one rank's stage lies between any two of "
-                    f"another's; here: {stages_of_rank} (rank: its stages).")
+                return (
+                    f"distgrad.wrap: stages {stages} run on rank {rank}, two of them "
+                    f"neighbours (a V-shaped schedule); distgrad supports schedules whose "
+                    f"neighbouring stages are on different ranks (GPipe, 1F1B, "
+                    f"Interleaved1F1B, LoopedBFS)."
+                )
+        if num_stages > world and any(
+            r != s % world for r, stages in stages_of_rank.items() for s in stages
+        ):
+            return (
+                f"distgrad.wrap: with several stages per rank distgrad needs them placed "
+                f"round robin (stage s on rank s % {world}, as ScheduleInterleaved1F1B and "
+                f"ScheduleLoopedBFS do), so that one rank's stage lies between any two of "
+                f"another's; here: {stages_of_rank} (rank: its stages)."
+            )
         return None
 
     def receive_action(self, stage: int, microbatch: int, forward: bool):
@@ -85,7 +95,8 @@ class Placement:
         action = self._receiving.get((stage, microbatch, forward))
         if action is None:
             action = self._receiving[(stage, microbatch, forward)] = receiving_action(
-                self.my_stages, stage, microbatch, forward)
+                self.my_stages, stage, microbatch, forward
+            )
         return action
 
     def send_actions(self, microbatch: int, forward: bool, stage: int) -> dict:
@@ -95,7 +106,8 @@ class Placement:
         if actions is None:  # the same for every value of this microbatch, direction and stage
             actions = self._sending[(microbatch, forward, stage)] = {
                 rank: receiving_action(stages, stage, microbatch, forward)
-                for rank, stages in self.other_ranks}
+                for rank, stages in self.other_ranks
+            }
         return actions
 
 

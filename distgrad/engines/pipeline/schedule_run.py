@@ -16,6 +16,7 @@ The run builds, for the trace, one object per part and hands each what it needs:
 The engine is used only through ``PipelineAdapter`` (``adapter.py``); the run itself handles the
 action events the engine's ``instrument`` reports.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,8 @@ import torch
 from ... import capture
 from ...capture import NotSaved
 from ...interleave.gradients import step_threaded
-from ...interleave.transports import BodyRunners
 from ...interleave.session import BODIES
+from ...interleave.transports import BodyRunners
 from .body_requests import BodyRequests, MicrobatchBody
 from .checks import RequestCheck
 from .direct import DirectStep
@@ -48,14 +49,16 @@ class ScheduleRun:
         self.engine, self.trace = engine, trace
         self.placement = engine.placement
         self.check = RequestCheck(engine, engine.channel)
-        self.messages = Messages(engine.channel, engine.placement, engine.piggyback_buffers,
-                                 engine.device, self.check)
+        self.messages = Messages(
+            engine.channel, engine.placement, engine.piggyback_buffers, engine.device, self.check
+        )
         self.waits = Waits(self.messages, self.check)
         self.passed = self.waits.passed  # the action events passed
         self.value_stages = ValueStages()
         self.loss_point = LossPoint()
-        self.requests = BodyRequests(engine, self.messages, self.waits, self.value_stages,
-                                     self.loss_point)
+        self.requests = BodyRequests(
+            engine, self.messages, self.waits, self.value_stages, self.loss_point
+        )
         self.session = None
         self.step = None  # the DirectStep or ThreadedStep, once the trace runs
 
@@ -64,8 +67,10 @@ class ScheduleRun:
         args, kwargs = trace.raw_inputs
         n = engine.microbatches()
         if n > MOST_MICROBATCHES:
-            raise NotImplementedError(f"distgrad runs pipeline steps of at most "
-                                      f"{MOST_MICROBATCHES} microbatches, not {n}.")
+            raise NotImplementedError(
+                f"distgrad runs pipeline steps of at most "
+                f"{MOST_MICROBATCHES} microbatches, not {n}."
+            )
         scheduler = greenlet.getcurrent()
         bodies = [MicrobatchBody(self.requests, m, scheduler) for m in range(n)]
         # On CUDA the schedule's backward calls tensor hooks on autograd's device threads, so
@@ -74,8 +79,10 @@ class ScheduleRun:
         threaded = step_threaded()
         run_step = functools.partial(engine.run_step, args, kwargs)
         spaces = [{**frame.f_globals, **frame.f_locals} for _ in bodies]
-        runners = BodyRunners({body: (lambda space=space: exec(code, space))
-                               for body, space in zip(bodies, spaces)}, BODIES)
+        runners = BodyRunners(
+            {body: (lambda space=space: exec(code, space)) for body, space in zip(bodies, spaces)},
+            BODIES,
+        )
         step_type = ThreadedStep if threaded else DirectStep
         self.step = step_type(run_step, bodies, runners, self.messages, self.waits)
         self.session = self.requests.session = session = self.step.session
@@ -115,6 +122,7 @@ class ScheduleRun:
         def restore():
             undo_piggyback()
             undo()
+
         return restore
 
     # -- the action events ------------------------------------------------------------------
@@ -176,6 +184,7 @@ class _ActionSpan:
 # -- the loss's hand-over point, and the saved names joined across microbatches -------------
 class LossPoint:
     """Where the last stage hands over a microbatch's loss (a point with nothing to remove)."""
+
     kind = "output"
 
     def remove(self):
@@ -191,8 +200,11 @@ def joined(names: list[str], bodies: list, spaces: list[dict]) -> dict:
     for name in names:
         values = [space.get(name, _MISSING) for space in spaces]
         value = _join(values, saved)
-        out[name] = value if value is not _MISSING else NotSaved(
-            name, "in the body of a pipeline trace (it runs once per microbatch)")
+        out[name] = (
+            value
+            if value is not _MISSING
+            else NotSaved(name, "in the body of a pipeline trace (it runs once per microbatch)")
+        )
     return out
 
 
@@ -201,17 +213,20 @@ _MISSING = object()
 
 def _join(values: list, saved: dict):
     first = values[0]
-    if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and id(v) in saved
-                                               for v in values):
+    if isinstance(first, torch.Tensor) and all(
+        isinstance(v, torch.Tensor) and id(v) in saved for v in values
+    ):
         dim = saved[id(first)]
         values = [v.detach() for v in values]
         return torch.stack(values) if first.dim() == 0 else torch.cat(values, dim=dim)
-    if isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first)
-                                                for v in values):
+    if isinstance(first, (list, tuple)) and all(
+        type(v) is type(first) and len(v) == len(first) for v in values
+    ):
         items = [_join([v[i] for v in values], saved) for i in range(len(first))]
         return _MISSING if any(i is _MISSING for i in items) else type(first)(items)
-    if isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys()
-                                       for v in values):
+    if isinstance(first, dict) and all(
+        isinstance(v, dict) and v.keys() == first.keys() for v in values
+    ):
         if all(id(v) in saved for v in values):  # distgrad.save(a_dict): its tensors, joined
             saved = {**saved, **{id(t): saved[id(v)] for v in values for t in v.values()}}
         items = {k: _join([v[k] for v in values], saved) for k in first}

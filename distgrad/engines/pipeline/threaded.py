@@ -7,6 +7,7 @@ every value a body waits for; the loop here resumes it, serves the bodies whose 
 at, and delivers the values of other stages at the action events they wait for, which the step
 fires as pauses too.
 """
+
 from __future__ import annotations
 
 from ...interleave.session import Session
@@ -93,6 +94,7 @@ class ThreadedStep:
 class _ActionEvent(str):
     """An action event's name as the session pauses at it: equal to the plain string, and with
     the ``kind`` the session reads from the first item of every key it pauses at."""
+
     kind = "event"
 
 

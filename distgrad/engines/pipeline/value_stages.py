@@ -7,6 +7,7 @@ this rank, the earlier stage's backward would find its graph already used). So t
 each stage of this rank notes which of the values it might reach it reached, and a later stage's
 backward reaching an earlier stage's value raises, on the rank that sees it.
 """
+
 from __future__ import annotations
 
 from ...interleave.points import add_tensor_hook
@@ -47,4 +48,5 @@ class ValueStages:
                     f"{stage}, so its gradient would have to flow back to stage {owner}, which "
                     f"a pipeline schedule does not do: stage {owner}'s gradients would differ "
                     f"from one process. Use {label}.detach() in the edit to treat it as a "
-                    f"constant, or make the edit on the stage that runs it.")
+                    f"constant, or make the edit on the stage that runs it."
+                )

@@ -11,6 +11,7 @@ has run for it). ``"end"``: this rank's step has ended. A body waits for an even
 * for a value of this rank's stage, which has passed if a given event comes first: the body is
   woken then and raises (``deadlines``; the body keeps its deadline in ``body.deadline`` too).
 """
+
 from __future__ import annotations
 
 from ...errors import TraceStateError
@@ -23,9 +24,9 @@ class Waits:
 
     def __init__(self, messages, check):
         self.messages, self.check = messages, check
-        self.passed: set = set()     # event keys passed
-        self.remote: dict = {}       # receiving action -> [(body, src rank, tag)]
-        self.deadlines: dict = {}    # event key -> the body whose local value has passed by then
+        self.passed: set = set()  # event keys passed
+        self.remote: dict = {}  # receiving action -> [(body, src rank, tag)]
+        self.deadlines: dict = {}  # event key -> the body whose local value has passed by then
 
     def wait_remote(self, body, action, src: int, tag: int):
         """The body's value ``tag`` of ``src``'s stage, which comes in the bundle for
@@ -44,8 +45,10 @@ class Waits:
         finally:
             body.pending = None
         if body.remote_value is None:
-            raise TraceStateError(f"the pipeline step ended before rank {src} sent a value this "
-                                  f"body asked for (microbatch {body.index}).")
+            raise TraceStateError(
+                f"the pipeline step ended before rank {src} sent a value this "
+                f"body asked for (microbatch {body.index})."
+            )
         value, body.remote_value = body.remote_value, None
         return value
 

@@ -10,6 +10,7 @@
 * ``abandoned.py``: collectives a rank stopped waiting for (a peer failed), kept until the
   process exits, so that freeing them then cannot hang or abort it.
 """
+
 from .agreement import Agreement
 from .engine import DistributedEngine
 from .gather import SavesGather

@@ -16,6 +16,7 @@ often while this one is ending too. Two things must then not happen:
 So every collective still pending when a rank gives up is held here, and no thread frees it.
 What stays: one group and its pending collectives' buffers per failure, in a job that has
 failed."""
+
 from __future__ import annotations
 
 from ...torch_internals import never_free

@@ -28,6 +28,7 @@ slices in a row, it waits for this rank in a collective this rank will never joi
 raises ``TraceStateError``, and the peer hears of it when this rank's script ends and the peer's
 collective breaks (``engine.py``).
 """
+
 from __future__ import annotations
 
 import sys
@@ -62,8 +63,8 @@ class Agreement:
         engine.agreements.append(self)
         engine.answering.append(self)
         self.rank, self.world = self.ranks.index(dist.get_rank()), len(self.ranks)
-        self.count = 0    # requests agreed on in this trace
-        self.made = 0     # agreements since wrap (what tests count)
+        self.count = 0  # requests agreed on in this trace
+        self.made = 0  # agreements since wrap (what tests count)
         self.slices = {}  # peer -> slices in a row it was seen behind, in torch's collective
         self.capacity = 0  # payload bytes every rank sends in gather(); grows, never shrinks
 
@@ -92,19 +93,27 @@ class Agreement:
         local = local.detach().contiguous()
         nbytes = local.numel() * local.element_size()
         if local.dim() > _MAX_DIMS:
-            raise NotImplementedError(f"{label}: distgrad shows sharded values of at most "
-                                      f"{_MAX_DIMS} dimensions.")
-        head = [self.count, zlib.crc32(label.encode()), coord, nbytes, local.dim(),
-                *local.shape, *[0] * (_MAX_DIMS - local.dim())]
+            raise NotImplementedError(
+                f"{label}: distgrad shows sharded values of at most {_MAX_DIMS} dimensions."
+            )
+        head = [
+            self.count,
+            zlib.crc32(label.encode()),
+            coord,
+            nbytes,
+            local.dim(),
+            *local.shape,
+            *[0] * (_MAX_DIMS - local.dim()),
+        ]
         while True:
             capacity = self.capacity
             send = torch.zeros(_HEAD * 8 + capacity, dtype=torch.uint8)
-            send[:_HEAD * 8].view(torch.int64).copy_(torch.tensor(head))
+            send[: _HEAD * 8].view(torch.int64).copy_(torch.tensor(head))
             if nbytes <= capacity:
-                send[_HEAD * 8: _HEAD * 8 + nbytes].copy_(local.view(-1).view(torch.uint8))
+                send[_HEAD * 8 : _HEAD * 8 + nbytes].copy_(local.view(-1).view(torch.uint8))
             rows = torch.empty(self.world, _HEAD * 8 + capacity, dtype=torch.uint8)
             self._wait(self.group.allgather([list(rows.unbind(0))], [send]), label)
-            heads = rows[:, :_HEAD * 8].view(torch.int64)
+            heads = rows[:, : _HEAD * 8].view(torch.int64)
             self._check(heads[:, :2], label)
             needed = int(heads[:, 3].max())
             if needed <= capacity:
@@ -112,17 +121,22 @@ class Agreement:
             self.capacity = (needed * 5 // 4 + 7) // 8 * 8  # the same on every rank
         pieces = []
         for row, h in sorted(zip(rows, heads.tolist()), key=lambda pair: pair[1][2]):
-            shape = h[5: 5 + h[4]]
-            pieces.append(row[_HEAD * 8: _HEAD * 8 + h[3]].view(local.dtype).view(shape))
+            shape = h[5 : 5 + h[4]]
+            pieces.append(row[_HEAD * 8 : _HEAD * 8 + h[3]].view(local.dtype).view(shape))
         return pieces
 
     def _check(self, table: torch.Tensor, label: str) -> None:
         mine = table[self.rank]
         if not bool((table == mine).all()):
-            raise TraceStateError(_MISMATCH + "; ".join(
-                f"rank {self.ranks[r]} was at its request {int(c)} of the trace"
-                f"{' (' + label + ')' if r == self.rank else ''}" for r, (c, _) in
-                enumerate(table.tolist())) + ", or at another value with that number).")
+            raise TraceStateError(
+                _MISMATCH
+                + "; ".join(
+                    f"rank {self.ranks[r]} was at its request {int(c)} of the trace"
+                    f"{' (' + label + ')' if r == self.rank else ''}"
+                    for r, (c, _) in enumerate(table.tolist())
+                )
+                + ", or at another value with that number)."
+            )
 
     # -- waiting, and giving up -----------------------------------------------------------
     def _wait(self, work, label: str) -> None:
@@ -142,11 +156,14 @@ class Agreement:
                 behind = count is not None and count < self.count and where != "running"
                 self.slices[peer] = self.slices.get(peer, 0) + 1 if behind else 0
                 if self.slices[peer] >= 2:
-                    self._give_up(TraceStateError(
-                        _MISMATCH + f"this rank, {dist.get_rank()}, waits for every rank at "
-                        f"{label}, its request {self.count} of the trace; rank {peer} has made "
-                        f"{count} and waits in another collective, so its body did not make this "
-                        f"one)."))
+                    self._give_up(
+                        TraceStateError(
+                            _MISMATCH + f"this rank, {dist.get_rank()}, waits for every rank at "
+                            f"{label}, its request {self.count} of the trace; rank {peer} has made "
+                            f"{count} and waits in another collective, so its body did not "
+                            f"make this one)."
+                        )
+                    )
 
         self.engine.wait_in_slices(work, self.group, after_slice)
 
@@ -188,7 +205,7 @@ def asked(store, running: int) -> bool:
 
 
 def where() -> str:
-    """"agreeing" if a thread of this process waits in one of our agreements, "collective" if
+    """ "agreeing" if a thread of this process waits in one of our agreements, "collective" if
     one is in torch.distributed's code (the model's collectives) or in distgrad's end-of-trace
     gather, else "running"."""
     found = "running"
@@ -207,7 +224,9 @@ def where() -> str:
 _MAX_DIMS = 8
 _HEAD = 5 + _MAX_DIMS  # int64s: count, label checksum, mesh coordinate, bytes, ndim, shape
 
-_MISMATCH = ("the body asked for different values on different ranks (a sharded value read whole "
-             "under tensor parallelism, or a parameter's `.grad` on a sharded engine, is a "
-             "collective every rank must make: keep such requests out of rank-dependent branches "
-             "like `if rank == 0:`, make them on every rank and branch on the values; ")
+_MISMATCH = (
+    "the body asked for different values on different ranks (a sharded value read whole "
+    "under tensor parallelism, or a parameter's `.grad` on a sharded engine, is a "
+    "collective every rank must make: keep such requests out of rank-dependent branches "
+    "like `if rank == 0:`, make them on every rank and branch on the values; "
+)

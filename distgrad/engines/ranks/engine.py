@@ -19,6 +19,7 @@ A failure on one rank must reach all of them without a hang:
 After a failure the process group is gone on every rank: guard teardown with
 ``if dist.is_initialized(): dist.destroy_process_group()``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -47,21 +48,26 @@ class DistributedEngine(Engine):
     def __init__(self, wrapped, group=None, gather: bool = True):
         super().__init__(wrapped)
         if not dist.is_initialized():
-            raise RuntimeError(f"distgrad.wrap() got a {type(wrapped).__name__} but "
-                               "torch.distributed is not initialised in this process.")
+            raise RuntimeError(
+                f"distgrad.wrap() got a {type(wrapped).__name__} but "
+                "torch.distributed is not initialised in this process."
+            )
         # DDP and FSDP1 wrappers carry their process group; otherwise the default one
         group = group if group is not None else getattr(wrapped, "process_group", None)
         self.group = group if group is not None else dist.group.WORLD
-        self._rank = dist.get_rank(self.group)       # within the group saves are gathered over
+        self._rank = dist.get_rank(self.group)  # within the group saves are gathered over
         self._world = dist.get_world_size(self.group)
         # failures are told to the whole job, by global rank (the gather group may be smaller:
         # the data-parallel dimension of a 2-D mesh)
         self.job_rank, self.job_world = dist.get_rank(), dist.get_world_size()
-        self._traces = 0   # traces ended (incremented as end_trace starts)
+        self._traces = 0  # traces ended (incremented as end_trace starts)
         self.running = 1  # the number of the trace running, or of the last one (keys use it)
         # gather=False: every rank already holds the global values (tensor parallel alone)
-        self.saves_gather = (SavesGather(self.group, self._rank, self._world,
-                                         wait=self.wait_in_slices) if gather else None)
+        self.saves_gather = (
+            SavesGather(self.group, self._rank, self._world, wait=self.wait_in_slices)
+            if gather
+            else None
+        )
         # held here so that it outlives the process group we destroy on a failure (without
         # torchrun's agent, the store's server lives in rank 0's process)
         self.store = _store()
@@ -190,8 +196,9 @@ class DistributedEngine(Engine):
         """Write ``error`` under the failure ``key`` for the peers; False if the store is gone
         (the store's host may have exited; the peers then say "lost")."""
         try:
-            self.store.set(key, f"{self.job_rank}\nrank {self.job_rank}: "
-                                 f"{type(error).__name__}: {error}")
+            self.store.set(
+                key, f"{self.job_rank}\nrank {self.job_rank}: {type(error).__name__}: {error}"
+            )
             return True
         except Exception:
             return False
@@ -208,7 +215,8 @@ class DistributedEngine(Engine):
         if found is None:
             return RankFailedError(
                 f"rank {self.job_rank}: a peer rank stopped answering during the trace (killed or "
-                f"crashed without a Python error): {str(error).splitlines()[0][:200]}")
+                f"crashed without a Python error): {str(error).splitlines()[0][:200]}"
+            )
         failing, message = found
         if self.job_rank == 0:
             self.wait_for_readers(key, failing, 3 * config.failure_timeout)
@@ -216,8 +224,7 @@ class DistributedEngine(Engine):
 
     def wait_for_readers(self, key: str, failing: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        readers = [f"{key}/read/{r}" for r in range(self.job_world)
-                   if r not in (0, failing)]
+        readers = [f"{key}/read/{r}" for r in range(self.job_world) if r not in (0, failing)]
         try:
             while readers and not self.store.check(readers) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -226,10 +233,10 @@ class DistributedEngine(Engine):
 
 
 class FailureWatcher:
-    """A daemon thread per engine (its ``failure_watcher``) that, while a trace runs, reads the trace's
-    failure key every 0.1 s, so that a peer knows the message before the store's host is gone,
-    and answers a waiting peer's question where this rank is (``answering``). Between traces it
-    sleeps and touches nothing; it ends with the engine."""
+    """A daemon thread per engine (its ``failure_watcher``) that, while a trace runs, reads the
+    trace's failure key every 0.1 s, so that a peer knows the message before the store's host is
+    gone, and answers a waiting peer's question where this rank is (``answering``). Between traces
+    it sleeps and touches nothing; it ends with the engine."""
 
     def __init__(self, engine: DistributedEngine):
         self.store, self.rank = engine.store, engine.job_rank
@@ -237,8 +244,9 @@ class FailureWatcher:
         self.stopped = threading.Event()
         self.active = threading.Event()  # set from the start of a trace to the end of end_trace
         ref = weakref.ref(engine)
-        self.thread = threading.Thread(target=self._loop, args=(ref,), daemon=True,
-                                       name=f"distgrad-failure-watch-{self.rank}")
+        self.thread = threading.Thread(
+            target=self._loop, args=(ref,), daemon=True, name=f"distgrad-failure-watch-{self.rank}"
+        )
         self.thread.start()
         # Stop and join before the interpreter tears down: a daemon thread killed in the middle
         # of a store call at exit can abort the process ("terminate called without an active
@@ -287,8 +295,9 @@ class FailureWatcher:
 
 def _is_comm_error(error: BaseException) -> bool:
     text = str(error)
-    return isinstance(error, RuntimeError) and ("gloo" in text or "NCCL" in text or
-                                                "Connection closed" in text or "Read error" in text)
+    return isinstance(error, RuntimeError) and (
+        "gloo" in text or "NCCL" in text or "Connection closed" in text or "Read error" in text
+    )
 
 
 def _store():
@@ -302,4 +311,3 @@ def _break_connections() -> None:
             dist.destroy_process_group()
     except Exception:
         pass
-

@@ -9,8 +9,8 @@ that they join. Then the payload: the bytes of the ``gather="rank0"`` saves go t
 sends one buffer per kind (the payload's two sections), of the largest rank's size (collectives
 take one size on every rank), so a rank other than 0 allocates its own saved bytes (padded to
 the largest rank's on an uneven batch), the headers and, when the layouts change, the layouts:
-whatever the world size, it receives no payload of ``gather="rank0"`` saves. Ranks may save tensors of different sizes
-on the joined dimension (an uneven last batch).
+whatever the world size, it receives no payload of ``gather="rank0"`` saves. Ranks may save
+tensors of different sizes on the joined dimension (an uneven last batch).
 
 With ``distgrad.config.gather_chunk_bytes`` set, a section larger than the bound is streamed:
 several collectives of at most that many bytes a rank, each chunk copied into the global values
@@ -29,6 +29,7 @@ calls for the common case of S saves of one shape and dtype. ``layout.py`` holds
 rank's ``SendLayout`` (how its saves lie in its send buffers) and the ``JoinPlan`` of a set of
 ranks' layouts (how the received bytes join into global values), made once per set and cached.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,7 +69,8 @@ def refuse_model_state(saves: list, model: torch.nn.Module) -> ValueError | None
                     f"the next forward) reads. A saved tensor is rebound at the end of the trace "
                     f"to every rank's values joined, which would change the {what} itself. Save "
                     f"a copy (`.clone().save()`), or keep each rank's own with "
-                    f"`distgrad.save(t, gather=\"none\")`.")
+                    f'`distgrad.save(t, gather="none")`.'
+                )
     return None
 
 
@@ -166,8 +168,9 @@ class SavesGather:
             heads = heads.view(self.world, _HEADER).tolist()
         target = config.gather_device or device
         done: dict = {}
-        if prev is not None and all(h[4] and h[:3] == p[:3] and h[5] == p[5]
-                                    for h, p in zip(heads, prev[0])):
+        if prev is not None and all(
+            h[4] and h[:3] == p[:3] and h[5] == p[5] for h, p in zip(heads, prev[0])
+        ):
             layouts, plan = prev[1], prev[2]  # the previous trace's: nothing to check or plan
         else:
             if sent is not None:
@@ -176,10 +179,12 @@ class SavesGather:
             counts = [h[0] for h in heads]
             if len(set(counts)) != 1:
                 raise ValueError(
-                    "ranks saved different numbers of tensors in one trace (" +
-                    ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)) + "). Save the "
+                    "ranks saved different numbers of tensors in one trace ("
+                    + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+                    + "). Save the "
                     "same values on every rank, or use .save(gather='none') for rank-local "
-                    "values.")
+                    "values."
+                )
             layouts = self._layouts(heads, layout, prev, device)
             plan = self._plans.get(layouts)
             if plan is None:
@@ -208,8 +213,9 @@ class SavesGather:
         payload as already received sections (``_received``'s form)."""
         start = 8 * _HEADER
         # counted by their parts, as if apart: the headers, this rank's payload, all payloads
-        self.allocated.update(headers=self.world * start, send=sum(sizes),
-                              receive=self.world * sum(sizes))
+        self.allocated.update(
+            headers=self.world * start, send=sum(sizes), receive=self.world * sum(sizes)
+        )
         cached = self._small_buffers  # at most small_bytes: kept from trace to trace
         if cached is None or cached[0] != (sizes, device):
             size = start + sum(sizes)
@@ -217,10 +223,15 @@ class SavesGather:
             rows = torch.empty(self.world, size, dtype=torch.uint8, device=device)
             bounds = (start, start + sizes[0], size)
             cached = self._small_buffers = (
-                (sizes, device), send, rows, send[:start].view(torch.int64), [None],
-                {i: send[bounds[i]: bounds[i + 1]] for i in (0, 1) if sizes[i]},
+                (sizes, device),
+                send,
+                rows,
+                send[:start].view(torch.int64),
+                [None],
+                {i: send[bounds[i] : bounds[i + 1]] for i in (0, 1) if sizes[i]},
                 rows[:, :start].view(torch.int64),
-                [(i, None, rows[:, bounds[i]: bounds[i + 1]]) for i in (0, 1)])
+                [(i, None, rows[:, bounds[i] : bounds[i + 1]]) for i in (0, 1)],
+            )
         _, send, rows, head_view, written, parts, heads, received = cached
         if written[0] != head:
             head_view.copy_(torch.tensor(head))
@@ -250,8 +261,11 @@ class SavesGather:
                 chunk = self._alloc("receive", self.world * bound, torch.uint8, device)
             for start in range(0, size, bound):
                 end = min(size, start + bound)
-                rows = chunk[:self.world * (end - start)].view(self.world, end - start) \
-                    if keep else None
+                rows = (
+                    chunk[: self.world * (end - start)].view(self.world, end - start)
+                    if keep
+                    else None
+                )
                 if section == 1:
                     work = self._all_gather(rows.view(-1), send[start:end])
                 else:
@@ -271,10 +285,10 @@ class SavesGather:
         rows = self._alloc("layouts", self.world * longest, torch.int64, device)
         mine = torch.zeros(longest, dtype=torch.int64)
         if heads[self.rank][3]:
-            mine[:len(layout.meta)] = torch.tensor(layout.meta)
+            mine[: len(layout.meta)] = torch.tensor(layout.meta)
         self._wait(self._all_gather(rows, mine.to(device)), self.group)
         rows = rows.view(self.world, longest).tolist()
-        return tuple(prev[1][r] if h[4] else tuple(rows[r][:h[3]]) for r, h in enumerate(heads))
+        return tuple(prev[1][r] if h[4] else tuple(rows[r][: h[3]]) for r, h in enumerate(heads))
 
     def _send(self, layout, tensors: list, sizes: tuple, device) -> list:
         """Start the payload's collectives, one per section that any rank has bytes in, each
@@ -290,8 +304,13 @@ class SavesGather:
             if not size:
                 continue
             keep = section == 1 or self.rank == 0
-            rows = (self._alloc("receive", self.world * size, torch.uint8, device)
-                    .view(self.world, size) if keep else None)
+            rows = (
+                self._alloc("receive", self.world * size, torch.uint8, device).view(
+                    self.world, size
+                )
+                if keep
+                else None
+            )
             if section == 1:
                 work = self._all_gather(rows.view(-1), send)
             else:
@@ -316,8 +335,15 @@ class SavesGather:
 
     def _gather(self, send: torch.Tensor, rows):
         """Rank 0's ``rows`` (None elsewhere) receive every rank's ``send``."""
-        return self._track(dist.gather(send, list(rows.unbind(0)) if rows is not None else None,
-                                       dst=self._root, group=self.group, async_op=True))
+        return self._track(
+            dist.gather(
+                send,
+                list(rows.unbind(0)) if rows is not None else None,
+                dst=self._root,
+                group=self.group,
+                async_op=True,
+            )
+        )
 
     def _track(self, work):
         """Hold ``work`` among the collectives started and not yet completed (those that
@@ -347,4 +373,3 @@ def _sizes(heads: list) -> tuple:
 
 def _plain_wait(work, group) -> None:
     work.wait()
-

@@ -7,6 +7,7 @@ send buffers (it writes them); a ``JoinPlan`` is the plan, for one set of all ra
 how the received bytes join into the global values this rank keeps, checking alike on every
 rank that the ranks saved the same values and that they join.
 """
+
 from __future__ import annotations
 
 import struct
@@ -15,8 +16,19 @@ import torch
 
 from ...torch_internals import foreach_copy_
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 DTYPE_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 MODES = ("rank0", "all")  # also the payload's sections, in this order
 
@@ -45,7 +57,7 @@ def unpack_chunk(rows: torch.Tensor, start: int, end: int, segments: list) -> No
         for offset, nbytes, dest in spans:
             lo, hi = max(offset, start), min(offset + nbytes, end)
             if lo < hi:
-                dest[lo - offset: hi - offset].copy_(rows[r, lo - start: hi - start])
+                dest[lo - offset : hi - offset].copy_(rows[r, lo - start : hi - start])
 
 
 def layout_of(meta: tuple) -> list:
@@ -54,10 +66,10 @@ def layout_of(meta: tuple) -> list:
     specs, at, offsets = [], 0, [0, 0]
     while at < len(meta):
         dtype, mode, dim, ndim = DTYPES[meta[at]], meta[at + 1], meta[at + 2], meta[at + 3]
-        shape = tuple(meta[at + 4: at + 4 + ndim])
+        shape = tuple(meta[at + 4 : at + 4 + ndim])
         at += 4 + ndim
         size, words = meta[at], round8(meta[at]) // 8
-        label = struct.pack(f"<{words}q", *meta[at + 1: at + 1 + words])[:size].decode()
+        label = struct.pack(f"<{words}q", *meta[at + 1 : at + 1 + words])[:size].decode()
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         specs.append((dtype, shape, MODES[mode], dim, offsets[mode], nbytes, label))
         offsets[mode] += round8(nbytes)
@@ -80,23 +92,35 @@ class SendLayout:
     def __init__(self, key: list):
         self.meta = []
         for dtype, shape, mode, dim, label in key:
-            self.meta += [DTYPE_CODE[dtype], MODES.index(mode), dim, len(shape), *shape,
-                          *label_words(label)]
+            self.meta += [
+                DTYPE_CODE[dtype],
+                MODES.index(mode),
+                dim,
+                len(shape),
+                *shape,
+                *label_words(label),
+            ]
         self.specs = layout_of(self.meta)
         self.sections = [[i for i, s in enumerate(self.specs) if s[2] == mode] for mode in MODES]
-        self.nbytes = [sum(round8(self.specs[i][5]) for i in section)
-                       for section in self.sections]
+        self.nbytes = [sum(round8(self.specs[i][5]) for i in section) for section in self.sections]
         # one shape and dtype, no padding: the section is one [S, *shape] block for torch.stack
         self.stack = [uniform([self.specs[i] for i in section]) for section in self.sections]
         self._views = None  # (send buffers kept from trace to trace, the views into them)
 
     def write(self, sends: dict, tensors: list, keep: bool = False):
-        """Write the saves of the sections ``sends`` names (section -> its send buffer). ``keep``: the
-        buffers are kept from trace to trace, so the views into them are kept too."""
+        """Write the saves of the sections ``sends`` names (section -> its send buffer).
+        ``keep``: the buffers are kept from trace to trace, so the views into them are kept
+        too."""
         views = self._views
         if views is None or views[0] is not sends:
-            views = (sends, {section: self._views_into(section, send)
-                             for section, send in sends.items() if self.sections[section]})
+            views = (
+                sends,
+                {
+                    section: self._views_into(section, send)
+                    for section, send in sends.items()
+                    if self.sections[section]
+                },
+            )
             self._views = views if keep else None  # (a buffer used once is not held on to)
         for section, view in views[1].items():
             indices = self.sections[section]
@@ -112,9 +136,11 @@ class SendLayout:
         indices = self.sections[section]
         if self.stack[section]:
             dtype, shape = self.specs[indices[0]][:2]
-            return send[:self.nbytes[section]].view(dtype).view(len(indices), *shape)
-        return [send[o: o + n].view(d).view(s) for d, s, _, _, o, n, _ in
-                (self.specs[i] for i in indices)]
+            return send[: self.nbytes[section]].view(dtype).view(len(indices), *shape)
+        return [
+            send[o : o + n].view(d).view(s)
+            for d, s, _, _, o, n, _ in (self.specs[i] for i in indices)
+        ]
 
 
 def uniform(specs: list) -> bool:
@@ -139,8 +165,10 @@ class JoinPlan:
         check_same_values(specs)
         for i, (dtype, _, _, dim, _, _, _) in enumerate(own):  # checked on every rank alike
             if any(s[i][0] != dtype for s in specs):
-                raise ValueError(f"saved tensor {i} has dtypes {[str(s[i][0]) for s in specs]} "
-                                 f"on the ranks: save one dtype on every rank.")
+                raise ValueError(
+                    f"saved tensor {i} has dtypes {[str(s[i][0]) for s in specs]} "
+                    f"on the ranks: save one dtype on every rank."
+                )
             self.shapes.append(joined_shape([s[i][1] for s in specs], dim))
             self.dims.append(dim if own[i][1] else 0)
         self.specs = specs
@@ -148,15 +176,20 @@ class JoinPlan:
         self.even = []  # per section: its wanted tensors' indices, if they take the even path
         for mode in MODES:
             section = [i for i in self.wanted if own[i][2] == mode]
-            even = (same and uniform([own[i] for i in section])
-                    and all(self.dims[i] == 0 for i in section))
+            even = (
+                same
+                and uniform([own[i] for i in section])
+                and all(self.dims[i] == 0 for i in section)
+            )
             self.even.append(section if even else None)
 
     def apply(self, received: list, device, done: dict) -> list[torch.Tensor]:
         """The wanted values, in save order, on ``device``: those in ``done`` (streamed), the
         others from their section's receive rows."""
-        received = [torch.empty(self.world, 0, dtype=torch.uint8) if rows is None else rows
-                    for rows in received]  # (a section of empty tensors sends nothing)
+        received = [
+            torch.empty(self.world, 0, dtype=torch.uint8) if rows is None else rows
+            for rows in received
+        ]  # (a section of empty tensors sends nothing)
         values = dict(done)
         for rows, even in zip(received, self.even):
             if even and even[0] not in done:
@@ -193,7 +226,7 @@ class JoinPlan:
     @staticmethod
     def finish(values: dict) -> dict:
         """The streamed values, their staged parts copied in."""
-        for out, staged in values.values():
+        for _, staged in values.values():
             for part, whole in staged:
                 part.copy_(whole)
         return {i: out for i, (out, _) in values.items()}
@@ -202,7 +235,7 @@ class JoinPlan:
         dtype, shape, _, _, offset, _, _ = self.specs[0][section[0]]
         count, n = len(section), max(torch.Size(shape).numel(), 1)
         out = torch.empty((count, *self.shapes[section[0]]), dtype=dtype, device=device)
-        block = rows[:, offset: offset + count * n * dtype.itemsize].view(dtype)
+        block = rows[:, offset : offset + count * n * dtype.itemsize].view(dtype)
         block = block.view(self.world, count, n)
         if block.device == out.device:
             out.view(count, self.world, n).copy_(block.transpose(0, 1))
@@ -213,8 +246,10 @@ class JoinPlan:
 
     def _joined(self, received: list, i: int, device) -> torch.Tensor:
         rows = received[MODES.index(self.specs[0][i][2])]
-        parts = [rows[r, s[i][4]: s[i][4] + s[i][5]].view(s[i][0]).view(s[i][1] or (1,))
-                 for r, s in enumerate(self.specs)]
+        parts = [
+            rows[r, s[i][4] : s[i][4] + s[i][5]].view(s[i][0]).view(s[i][1] or (1,))
+            for r, s in enumerate(self.specs)
+        ]
         if rows.device == torch.device(device):
             return torch.cat(parts, self.dims[i])
         out = torch.empty(self.shapes[i], dtype=self.specs[0][i][0], device=device)
@@ -233,19 +268,23 @@ def check_same_values(specs: list) -> None:
         labels = [s[i][6] for s in specs]
         if any(label != first[6] for label in labels):
             raise ValueError(
-                f"the ranks saved different values as saved tensor {i} of the trace (" +
-                ", ".join(f"rank {r}: {label}" for r, label in enumerate(labels)) + "). Saved "
+                f"the ranks saved different values as saved tensor {i} of the trace ("
+                + ", ".join(f"rank {r}: {label}" for r, label in enumerate(labels))
+                + "). Saved "
                 "tensors are joined across ranks into one value, so every rank must save the "
                 "same values in the same order: make the saves on every rank and branch on the "
-                "values, or save rank-local values with .save(gather='none').")
+                "values, or save rank-local values with .save(gather='none')."
+            )
 
 
 def joined_shape(shapes: list[tuple], dim: int) -> tuple:
     if len(shapes[0]) == 0:
         return (len(shapes),)  # 0-dim values are stacked to [world_size]
-    rest = [s[:dim] + s[dim + 1:] for s in shapes]
+    rest = [s[:dim] + s[dim + 1 :] for s in shapes]
     if any(r != rest[0] for r in rest) or any(len(s) != len(shapes[0]) for s in shapes):
-        raise ValueError(f"saved tensors of shapes {[list(s) for s in shapes]} cannot be joined "
-                         f"along dim {dim}: save them with .save(gather='none') or pad them to "
-                         f"one shape.")
-    return shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1:]
+        raise ValueError(
+            f"saved tensors of shapes {[list(s) for s in shapes]} cannot be joined "
+            f"along dim {dim}: save them with .save(gather='none') or pad them to "
+            f"one shape."
+        )
+    return shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1 :]

@@ -4,6 +4,8 @@ doubling the gradient of layer 6.
 
     python benchmarks/realistic.py [--steps 20]                              # one process
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/realistic.py    # DDP, 2 ranks
+    python benchmarks/realistic.py --backward-mode thread    # the backward as CUDA runs it
+    python benchmarks/realistic.py --memory [--steps 20]     # peak memory of a traced loop
 
 Variants, taking turns in rounds: raw hooks (forward hooks keep each output, tensor hooks each
 gradient; under DDP followed by one all_gather per saved tensor to bring every rank's rows to
@@ -11,6 +13,12 @@ rank 0, what a user writes by hand), distgrad, and on one process nnsight 0.8.1 
 data-parallel support). Before timing, every variant's saved values and parameter gradients
 are checked against raw hooks (atol 1e-5). Prints the median ms per step and the ratio to raw
 hooks (rank 0).
+
+``--memory`` runs each variant alone in a fresh process for ``--steps`` steps and prints its
+peak resident memory (``ru_maxrss``: the model, its activations and gradients, what the
+variant keeps) and the ratio to raw hooks'. glibc's malloc is made deterministic in those
+processes (``MALLOC_MMAP_THRESHOLD_=65536``: large blocks are mapped and returned at once),
+since its adaptive threshold otherwise moves the peak by tens of MiB from run to run.
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -93,7 +104,18 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-nnsight", action="store_true")
+    parser.add_argument(
+        "--backward-mode",
+        default="auto",
+        choices=("auto", "greenlet", "thread"),
+        help="distgrad.config.backward_mode (thread: what a CUDA backward uses)",
+    )
+    parser.add_argument("--memory", action="store_true", help="peak memory, a process a variant")
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # one variant's loop (--memory)
     args = parser.parse_args()
+    distgrad.config.backward_mode = args.backward_mode
+    if args.memory:
+        return peak_memory(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ranks = world > 1
     if ranks:
@@ -116,12 +138,18 @@ def main():
         "raw hooks": lambda: raw_step(net, wrapped, ids, gather),
         "distgrad": lambda: distgrad_step(model, ids),
     }
-    if not ranks and not args.no_nnsight:
+    if not ranks and not args.no_nnsight and args.only in (None, "nnsight"):
         from nnsight import NNsight
 
         lm = NNsight(net)
         variants["nnsight"] = lambda: nnsight_step(lm, ids)
 
+    if args.only is not None:  # one variant's loop in a process of its own (peak_memory)
+        for _ in range(args.steps):
+            net.zero_grad(set_to_none=True)
+            variants[args.only]()
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+        return
     base_out, base_grads = variants["raw hooks"]()
     base_params = [p.grad.clone() for p in net.parameters()]
     for name, fn in variants.items():
@@ -153,6 +181,32 @@ def main():
             print(f"{name:10s} {median * 1e3:9.1f} ms/step  {median / base:5.2f}x raw hooks")
     if ranks:
         dist.destroy_process_group()
+
+
+def peak_memory(args) -> None:
+    """Each variant's loop in a fresh process; its peak resident memory against raw hooks'."""
+    names = ["raw hooks", "distgrad"] + ([] if args.no_nnsight else ["nnsight"])
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    peaks = {}
+    for name in names:
+        argv = [
+            sys.executable,
+            __file__,
+            "--only",
+            name,
+            "--steps",
+            str(args.steps),
+            "--backward-mode",
+            args.backward_mode,
+        ]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+        peaks[name] = int(done.stdout.split()[-1]) / 1024
+    print(
+        f"{LAYERS}-layer GPT-2, d_model 256, 4 x 128 tokens, 1 rank, peak resident memory "
+        f"over {args.steps} steps, a process each, torch {torch.__version__}"
+    )
+    for name, peak in peaks.items():
+        print(f"{name:10s} {peak:9.1f} MiB  {peak / peaks['raw hooks']:5.2f}x raw hooks")
 
 
 if __name__ == "__main__":

@@ -12,16 +12,12 @@ from __future__ import annotations
 import difflib
 import functools
 
-import greenlet
 import torch
 
 from .errors import ModuleIndexError, TraceStateError, TraceUsageError
-from .interleave.session import BODIES, UNSET, current_body
+from .interleave.session import UNSET, current_body
 from .torch_internals import submodules
 from .wrappers import module_path
-
-_getcurrent = greenlet.getcurrent
-_Tensor = torch.Tensor
 
 
 class Envoy:
@@ -239,18 +235,11 @@ class Envoy:
     def output(self):
         """What the module returned (its next call, or the call the run is paused at).
         Assign to replace it for everything downstream."""
-        # _pause("output") and remember() written out: this is the most used read
-        body = BODIES.get(_getcurrent()) if BODIES else None
-        if body is None:
-            self._pause("output")  # raises
-        pause = body.requests.module_value(body, self, "output")
+        body, pause = self._pause("output")
         value = pause.replacement
         if value is UNSET:
             value = pause.view
-        if value.__class__ is _Tensor:
-            body.labels[id(value)] = (value, self._path, ".output")
-        else:
-            body.remember(value, self._path, ".output")
+        body.remember(value, self._path, ".output")
         return value
 
     @output.setter

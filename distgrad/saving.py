@@ -68,7 +68,7 @@ def make_tensor_save(previous):
 
     def tensor_save(self, *args, **kwargs):
         """distgrad: keep this tensor for use after the trace (see ``distgrad.save``)."""
-        if not args and not kwargs and BODIES:  # `t.save()` in a body: save() written out
+        if not args and not kwargs and BODIES:  # `t.save()` in a body, the common case
             body = BODIES.get(_getcurrent())
             if body is not None:
                 body.saves.append((self, "rank0", 0))

@@ -260,3 +260,29 @@ def merge(full, pieces: list[tuple[slice, object]], size: int):
             items[k] = m if m is not None else f
         return items if type(full) is dict else type(full)(**items)
     return pieces[-1][1]
+
+
+def with_call_options(kwargs: dict, options: dict) -> dict:
+    """The joined inputs with the trace's call options (``model.generate(max_new_tokens=3)``
+    beside invokes); an option an invoke also passes must agree."""
+    for key, value in options.items():
+        if key in kwargs and not same(kwargs[key], value):
+            raise ValueError(
+                f"{key}= is passed to model.trace()/generate() and, differently, "
+                f"to the invokes; one call runs them all: pass it once."
+            )
+    return {**kwargs, **options}
+
+
+def check_rows_kept(kwargs: dict, module) -> None:
+    """generate() with several beams or returned sequences runs more rows than the invokes
+    gave: each invoke's rows of its values could not be told apart."""
+    config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
+    for name in ("num_beams", "num_return_sequences"):
+        n = kwargs.get(name, getattr(config, name, None)) or 1
+        if n > 1:
+            raise NotImplementedError(
+                f"model.generate(..., {name}={n}) with invokes: generate runs {n} rows per "
+                f"input row, so an invoke's rows of its values are not its inputs' rows. Pass "
+                f"the batch to model.generate(inputs, {name}={n}) without invokes."
+            )

@@ -176,7 +176,7 @@ class Invokes(ForwardRequests):
             for inv, r in zip(given, rows):
                 inv.rows = r
             inputs = (args, kwargs)
-            kwargs = _with_options(kwargs, batching.call_options(trace.raw_inputs[1]))
+            kwargs = batching.with_call_options(kwargs, batching.call_options(trace.raw_inputs[1]))
         elif trace.has_inputs():
             args, kwargs = batching.prepare(*trace.raw_inputs, trace.tokenizer)
             inputs = (args, {k: v for k, v in kwargs.items() if batching.is_input(k, v)})
@@ -187,7 +187,7 @@ class Invokes(ForwardRequests):
                 "model.trace(inputs)."
             )
         if trace.method == "generate":
-            _check_rows_kept(kwargs, self.engine.model)
+            batching.check_rows_kept(kwargs, self.engine.model)
         size = batching.batch_size(args, kwargs)
         for inv in invokes:
             if inv.empty:
@@ -361,32 +361,6 @@ def round_kwargs(starting: list[Body]) -> dict:
 
 def _words(kwargs: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "none"
-
-
-def _with_options(kwargs: dict, options: dict) -> dict:
-    """The joined inputs with the trace's call options (``model.generate(max_new_tokens=3)``
-    beside invokes); an option an invoke also passes must agree."""
-    for key, value in options.items():
-        if key in kwargs and not batching.same(kwargs[key], value):
-            raise ValueError(
-                f"{key}= is passed to model.trace()/generate() and, differently, "
-                f"to the invokes; one call runs them all: pass it once."
-            )
-    return {**kwargs, **options}
-
-
-def _check_rows_kept(kwargs: dict, module) -> None:
-    """generate() with several beams or returned sequences runs more rows than the invokes
-    gave: each invoke's rows of its values could not be told apart."""
-    config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
-    for name in ("num_beams", "num_return_sequences"):
-        n = kwargs.get(name, getattr(config, name, None)) or 1
-        if n > 1:
-            raise NotImplementedError(
-                f"model.generate(..., {name}={n}) with invokes: generate runs {n} rows per "
-                f"input row, so an invoke's rows of its values are not its inputs' rows. Pass "
-                f"the batch to model.generate(inputs, {name}={n}) without invokes."
-            )
 
 
 def _frames_on_stack() -> set:

@@ -3,12 +3,13 @@
     python benchmarks/diagnostics/handoff_floor.py [--rounds 20000] [--repeats 5]
 
 A round trip is body -> run -> body, timed for: a greenlet switch pair (GreenletTransport);
-ThreadTransport's lock pair (the body releases ``to_run``, a worker thread acquires it and
-releases ``to_body``, the body acquires that); and what a reader might use instead between the
-same two threads: ``threading.Condition`` wait/notify, two ``queue.SimpleQueue`` put/get pairs,
-two ``threading.Event`` set/wait/clear. Each runs bare (a no-op call on each side) and with
-``x.add_(1)`` on a 16-element tensor on each side, to show that the switch sets the cost, not
-the work between switches. No value is carried (a tuple or an attribute store: tens of ns).
+ThreadTransport's lock pair (the body releases ``to_run``, a worker thread acquires it and releases
+``to_body``, the body acquires that); the same pair with 20 non-blocking polls before each blocking
+acquire (to skip a sleeping thread's wake-up); and what a reader might use instead between the same
+two threads: ``threading.Condition`` wait/notify, two ``queue.SimpleQueue`` put/get pairs, two
+``threading.Event`` set/wait/clear. Each runs bare (a no-op call on each side) and with
+``x.add_(1)`` on a 16-element tensor on each side, to show that the switch sets the cost, not the
+work between switches. No value is carried (a tuple or an attribute store: tens of ns).
 
 Prints a markdown table of us per round trip (median and fastest of ``--repeats`` blocks of
 ``--rounds``), then the floor the README program's hand-offs set on a step in thread mode (a
@@ -87,6 +88,35 @@ def lock_pair(op_run, op_body, n):
     return body, in_thread(run)
 
 
+def _spin_then_block(lock, polls: int = 20) -> None:
+    """Acquire ``lock``, polling first: ``time.sleep(0)`` releases the GIL between polls, so
+    the other thread can run; a poll that wins skips the sleeping thread's wake-up."""
+    for _ in range(polls):
+        if lock.acquire(blocking=False):
+            return
+        time.sleep(0)
+    lock.acquire()
+
+
+def spinning_lock_pair(op_run, op_body, n):
+    to_run, to_body = threading.Lock(), threading.Lock()
+    to_run.acquire()
+    to_body.acquire()
+
+    def run():
+        for _ in range(n):
+            _spin_then_block(to_run)
+            op_run()
+            to_body.release()
+
+    def body():
+        op_body()
+        to_run.release()
+        _spin_then_block(to_body)
+
+    return body, in_thread(run)
+
+
 def condition(op_run, op_body, n):
     cond = threading.Condition()
     turn = ["body"]  # a flag under the condition's lock: a notify before the wait is not lost
@@ -149,6 +179,7 @@ MAKERS = {
     "no hand-off (the two op calls only)": no_handoff,
     "greenlet switch pair": greenlet_pair,
     "lock pair (ThreadTransport)": lock_pair,
+    "lock pair, 20 polls before blocking": spinning_lock_pair,
     "threading.Condition wait/notify": condition,
     "queue.SimpleQueue put/get x2": simple_queue,
     "threading.Event set/wait/clear x2": event,

@@ -81,6 +81,22 @@ def test_module_values_after_the_generated_ids_raise(gpt2):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in gpt2.modules())
 
 
+def test_generated_ids_beside_invokes_raise_and_inside_them_are_served(gpt2, tokenizer):
+    """In a generate trace with invokes the trace's own body cannot read the ids (the invokes
+    run after it): a clear error, nothing left behind; inside each invoke they are its rows."""
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    with pytest.raises(distgrad.TraceStateError, match="Read it inside an invoke"):
+        with model.generate(**GREEDY) as tracer:
+            with tracer.invoke(PROMPTS[0]):
+                pass
+            tracer.result  # noqa: B018
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in gpt2.modules())
+    with model.generate(**GREEDY) as tracer:
+        with tracer.invoke(PROMPTS[0]):
+            ids = tracer.result.save()
+    assert torch.equal(ids, _plain_generate(gpt2, PROMPTS[0]))
+
+
 def test_generated_ids_in_a_forward_trace_raise(gpt2, tokenizer):
     model = distgrad.wrap(gpt2, tokenizer=tokenizer)
     with pytest.raises(distgrad.TraceStateError, match="read model.output"):

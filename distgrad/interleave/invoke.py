@@ -113,6 +113,13 @@ class Invokes(ForwardRequests):
         generate() returned, once it has returned (the other bodies' values come first)."""
         if self.trace.method != "generate":
             Requests.result(self, body)  # raises: a forward trace has model.output
+        if body.scheduler is None:  # the trace's own body: the invokes run after it
+            raise TraceStateError(
+                "tracer.result was read in the body of a model.generate() trace with invokes, "
+                "outside them: generate() runs the invokes' batch after the trace's own body, "
+                "and each invoke's rows of the ids are its own. Read it inside an invoke: "
+                "`with tracer.invoke(...): ids = tracer.result.save()`."
+            )
         _wait(body, _RESULT)
         if self.generated is UNSET:
             raise TraceStateError("tracer.result: generate() did not return.")

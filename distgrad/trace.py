@@ -23,6 +23,11 @@ from .interleave.requests import Requests
 from .interleave.session import BODIES, Body, current_body
 from .interleave.step import StepRequests
 
+_NO_TOKENIZER = (
+    "model.tokenizer: this model was wrapped without one, and its module has none. Pass it "
+    "when wrapping: model = distgrad.wrap(net, tokenizer=tokenizer)."
+)
+
 
 class Model(Envoy):
     """What ``distgrad.wrap`` returns: an Envoy of the root module that can open traces.
@@ -44,6 +49,8 @@ class Model(Envoy):
         object.__setattr__(self, "_root", root)
 
     def __getattr__(self, name: str):
+        if name == "tokenizer":  # the property found none
+            raise AttributeError(_NO_TOKENIZER)
         try:
             return Envoy.__getattr__(self, name)
         except AttributeError as missing:
@@ -92,6 +99,19 @@ class Model(Envoy):
     @property
     def module(self) -> torch.nn.Module:
         return self._engine.model
+
+    @property
+    def tokenizer(self):
+        """The tokenizer given to ``distgrad.wrap(..., tokenizer=...)``, which traces use for
+        text (``model.tokenizer`` as on nnsight's ``LanguageModel``); without one, the
+        module's own ``tokenizer`` attribute if it has one."""
+        if self._tokenizer is not None:
+            return self._tokenizer
+        own = getattr(self._module, "tokenizer", None)
+        if own is not None:
+            return own
+        # (raised by __getattr__, which Python calls when a property raises AttributeError)
+        raise AttributeError(_NO_TOKENIZER)
 
 
 def engine_of(model: Model) -> engines.Engine:

@@ -48,6 +48,18 @@ def test_generation(gpt2, tokenizer, model):
     assert torch.equal(output, plain_generate(gpt2, tokenizer, MSG))
 
 
+def test_tokenizer(gpt2, tokenizer, model):
+    """``model.tokenizer`` as on nnsight's LanguageModel: what the traces tokenize text with;
+    a model wrapped without one says how to give it."""
+    assert model.tokenizer is tokenizer
+    ids = model.tokenizer(MSG, return_tensors="pt")["input_ids"]
+    with model.trace(MSG):
+        logits = model.output.logits.save()
+    assert_close(logits, gpt2(ids).logits)
+    with pytest.raises(AttributeError, match=r"distgrad.wrap\(net, tokenizer=tokenizer\)"):
+        distgrad.wrap(gpt2).tokenizer  # noqa: B018
+
+
 def test_generation_with_invoke(gpt2, tokenizer, model):
     """test_lm.py::test_generation, as written there: kwargs to generate, the prompt to invoke."""
     with model.generate(**GREEDY) as tracer:

@@ -37,8 +37,8 @@ class ModulePoint:
         "calls",
         "hid",
         "hooks",
+        "hooks_of",
         "key",
-        "suffix",
         "value_of",
         "with_kwargs",
     )
@@ -50,8 +50,7 @@ class ModulePoint:
         declared = KINDS[kind]
         self.value_of = declared.value
         self.with_kwargs = declared.with_kwargs
-        self.hooks = declared.hooks(module)
-        self.suffix = "." + kind  # for labels: "model.h[0]" + ".output"
+        self.hooks_of = declared.hooks
         self.key = (id(module), kind)  # its key in a session's points
         self.hid = new_hook_id()
         self.arm(session)
@@ -66,9 +65,12 @@ class ModulePoint:
         if self.with_kwargs:
             # torch_internals.pre_hooks_with_kwargs, inline: this runs for every point armed
             self.module._forward_pre_hooks_with_kwargs[hid] = True
-        # The bound method lives only in the module's hook dict, so that remove() leaves no
-        # point -> method -> point cycle for the cycle collector.
-        self.hooks[hid] = self._fire
+        # The hook dict is looked up at every arm, as PyTorch's register_*_hook does: a library
+        # may have given the module a new one since the point was made. The bound method lives
+        # only in that dict, so that remove() leaves no point -> method -> point cycle for the
+        # cycle collector.
+        self.hooks = hooks = self.hooks_of(self.module)
+        hooks[hid] = self._fire
         session.points[self.key] = self
         session.installed.append(self)
 

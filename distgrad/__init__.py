@@ -14,6 +14,7 @@ from __future__ import annotations
 from . import engines, gradpatch, patches  # noqa: F401 (gradpatch registers .grad with patches)
 from .backward import BackwardTracer
 from .config import config
+from .engines.ranks.ragged import rank_parts
 from .errors import (
     GradientError,
     NotSavedError,
@@ -59,6 +60,7 @@ patches.install()  # Tensor.backward, Tensor.save, Tensor.grad
 __all__ = [
     "wrap",
     "save",
+    "rank_parts",
     "BackwardTracer",
     "Model",
     "Trace",

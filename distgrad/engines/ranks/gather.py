@@ -40,6 +40,7 @@ from ...saving import owned_tensors, saved_label
 from ...torch_internals import allgather_base, set_grad_enabled
 from .abandoned import keep_until_exit
 from .layout import JoinPlan, SendLayout, round8, tensors_in, unpack_chunk
+from .ragged import mark_ragged
 
 # int64s: number of tensors, bytes of gather="rank0" saves, bytes of gather="all" saves,
 # layout length (0 when the layout is that of this rank's previous trace), same layout (1 or 0),
@@ -204,6 +205,9 @@ class SavesGather:
         if not plan.wanted:
             return []
         values = plan.apply(received, target, done)
+        for i in plan.ragged:  # padded to one shape: rank_parts finds each rank's part
+            if i in plan.wanted:
+                mark_ragged(tensors[i], plan.shapes[i], plan.dims[i], plan.ragged[i])
         if len(plan.wanted) == len(tensors):
             return list(zip(tensors, values))
         return [(tensors[i], v) for i, v in zip(plan.wanted, values)]

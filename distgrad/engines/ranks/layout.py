@@ -15,6 +15,7 @@ import struct
 import torch
 
 from ...torch_internals import foreach_copy_
+from .ragged import check_paddable, is_ragged, padded_shape, region
 
 DTYPES = [
     torch.float32,
@@ -162,15 +163,21 @@ class JoinPlan:
         own = specs[rank]
         self.wanted = [i for i, s in enumerate(own) if s[2] == "all" or rank == 0]
         self.shapes, self.dims = [], []
+        self.ragged = {}  # index -> every rank's shape, for the saves padded to one shape
         check_same_values(specs)
-        for i, (dtype, _, _, dim, _, _, _) in enumerate(own):  # checked on every rank alike
+        for i, (dtype, _, _, dim, _, _, label) in enumerate(own):  # on every rank alike
+            name = f"saved tensor {i} of the trace ({label})"
             if any(s[i][0] != dtype for s in specs):
                 raise ValueError(
-                    f"saved tensor {i} has dtypes {[str(s[i][0]) for s in specs]} "
+                    f"{name} has dtypes {[str(s[i][0]) for s in specs]} "
                     f"on the ranks: save one dtype on every rank."
                 )
-            self.shapes.append(joined_shape([s[i][1] for s in specs], dim))
+            shapes = [s[i][1] for s in specs]
+            self.shapes.append(joined_shape(shapes, dim, name))
             self.dims.append(dim if own[i][1] else 0)
+            if own[i][1] and is_ragged(shapes, dim):
+                check_paddable(dtype, shapes, dim, name)
+                self.ragged[i] = shapes
         self.specs = specs
         same = len(set(layouts)) == 1
         self.even = []  # per section: its wanted tensors' indices, if they take the even path
@@ -210,11 +217,13 @@ class JoinPlan:
             dtype = self.specs[0][i][0]
             if self.specs[0][i][2] != mode:
                 continue
-            out = torch.empty(self.shapes[i], dtype=dtype, device=device)
+            out = self._empty(i, device)
             dim, at, staged = self.dims[i], 0, []
             for r, spec in enumerate(self.specs):
                 size = spec[i][1][dim] if spec[i][1] else 1
                 part = out.narrow(dim, at, size)
+                if i in self.ragged:
+                    part = out[region(spec[i][1], dim, at)]
                 at += size
                 if not part.is_contiguous():
                     staged.append((part, torch.empty(part.shape, dtype=dtype, device=device)))
@@ -250,14 +259,22 @@ class JoinPlan:
             rows[r, s[i][4] : s[i][4] + s[i][5]].view(s[i][0]).view(s[i][1] or (1,))
             for r, s in enumerate(self.specs)
         ]
-        if rows.device == torch.device(device):
+        if rows.device == torch.device(device) and i not in self.ragged:
             return torch.cat(parts, self.dims[i])
-        out = torch.empty(self.shapes[i], dtype=self.specs[0][i][0], device=device)
-        at = 0
+        out = self._empty(i, device)
+        at, dim = 0, self.dims[i]
         for part in parts:  # part by part, so that no global-size copy is made on their device
-            out.narrow(self.dims[i], at, part.shape[self.dims[i]]).copy_(part)
-            at += part.shape[self.dims[i]]
+            out[region(part.shape, dim, at)].copy_(part)
+            at += part.shape[dim]
         return out
+
+    def _empty(self, i: int, device) -> torch.Tensor:
+        """The global value of saved tensor ``i``, to be filled: a ragged one NaN where no rank
+        has data (``ragged.py``)."""
+        dtype = self.specs[0][i][0]
+        if i in self.ragged:
+            return torch.full(self.shapes[i], float("nan"), dtype=dtype, device=device)
+        return torch.empty(self.shapes[i], dtype=dtype, device=device)
 
 
 def check_same_values(specs: list) -> None:
@@ -277,14 +294,15 @@ def check_same_values(specs: list) -> None:
             )
 
 
-def joined_shape(shapes: list[tuple], dim: int) -> tuple:
+def joined_shape(shapes: list[tuple], dim: int, name: str) -> tuple:
+    """The global shape of a save: the ranks' tensors joined on ``dim`` (0-dim ones stacked),
+    padded to the largest rank's size in the other dims where those differ (ragged)."""
+    if any(len(s) != len(shapes[0]) for s in shapes):
+        raise ValueError(
+            f"{name} has shapes {[list(s) for s in shapes]} on the ranks, with "
+            f"different numbers of dims: they cannot be joined along dim {dim}. Save the same "
+            f"value on every rank, or keep each rank's own with .save(gather='none')."
+        )
     if len(shapes[0]) == 0:
         return (len(shapes),)  # 0-dim values are stacked to [world_size]
-    rest = [s[:dim] + s[dim + 1 :] for s in shapes]
-    if any(r != rest[0] for r in rest) or any(len(s) != len(shapes[0]) for s in shapes):
-        raise ValueError(
-            f"saved tensors of shapes {[list(s) for s in shapes]} cannot be joined "
-            f"along dim {dim}: save them with .save(gather='none') or pad them to "
-            f"one shape."
-        )
-    return shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1 :]
+    return padded_shape(shapes, dim)

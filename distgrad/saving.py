@@ -39,8 +39,11 @@ def save(obj, *, gather: str = "rank0", dim: int = 0):
     * ``gather="all"``: every rank gets the global view.
     * ``gather="none"``: every rank keeps its own value; nothing is sent.
 
-    Tensors inside a saved dict, tuple or model output are gathered the same way. On one
-    process all modes keep the value as it is.
+    Where the ranks' tensors differ in a dim other than ``dim`` too (each rank's batch padded
+    to its own length), the global value is padded to the largest rank's size with NaN and
+    ``distgrad.rank_parts(value)`` gives each rank's tensor; a ragged save of a dtype without
+    NaN (integers, bool) raises. Tensors inside a saved dict, tuple or model output are
+    gathered the same way. On one process all modes keep the value as it is.
     """
     if gather not in GATHER_MODES:
         raise ValueError(f".save(gather={gather!r}): use one of {', '.join(GATHER_MODES)}.")

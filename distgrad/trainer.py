@@ -23,11 +23,17 @@ FSDP, DeepSpeed), its loss scaling and gradient accumulation are what they are w
 * ``tr.loss`` is the loss the Trainer backpropagates: with ``gradient_accumulation_steps=k``
   and a loss not already normalised over the accumulated tokens, ``loss / k``; the gradients
   the block shows are those of that loss, as a raw hook would see them.
-* What the intervention returns is saved (its tensors gathered to rank 0, as ``.save()`` does;
-  a parameter, its ``.grad`` or a buffer as a copy taken when the step's backward has run)
-  and recorded once per call of ``training_step`` (one micro-batch) as a ``TracedStep``:
-  appended to ``trainer.saved``, or handed to ``on_step(record)`` if given (nothing is kept
-  then: a long run keeps only what the callback keeps).
+* What the intervention returns is saved (a parameter, its ``.grad`` or a buffer as a copy
+  taken when the step's backward has run) and recorded once per call of ``training_step`` (one
+  micro-batch) as a ``TracedStep``: appended to ``trainer.saved``, or handed to
+  ``on_step(record)`` if given (nothing is kept then: a long run keeps only what the callback
+  keeps).
+* On several ranks its tensors are gathered as ``.save()`` gathers, when each step's trace
+  ends: rank 0's record holds every rank's rows joined in rank order, the other ranks' their
+  own. Where the ranks' batches have different lengths (each padded to its own longest row)
+  the joined value is padded with NaN and ``distgrad.rank_parts(value)`` gives each rank's
+  part. A tensor the intervention saved itself (``.save(gather="none")``: each rank keeps its
+  own) is recorded as it saved it.
 * The intervention may open no backward block (forward reads and edits only): the Trainer's
   backward runs after it, as without distgrad.
 * Only training steps are traced; evaluation and prediction run untouched.

@@ -170,7 +170,8 @@ class JoinPlan:
             if any(s[i][0] != dtype for s in specs):
                 raise ValueError(
                     f"{name} has dtypes {[str(s[i][0]) for s in specs]} "
-                    f"on the ranks: save one dtype on every rank."
+                    f"on the ranks: save one dtype on every rank (cast it before .save()), or "
+                    f"keep each rank's own with .save(gather='none')."
                 )
             shapes = [s[i][1] for s in specs]
             self.shapes.append(joined_shape(shapes, dim, name))

@@ -18,6 +18,7 @@ import tempfile
 import warnings
 
 import datasets
+import torch
 import torch.distributed as dist
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
@@ -41,11 +42,13 @@ class TracedDPO(TraceSteps, DPOTrainer):
 
 
 def double_first_block(model, tr):
+    ids = model.transformer.wte.input.save(gather="none")  # integers: each rank keeps its own
     hidden = model.transformer.h[0].output  # the policy's: DPO's reference model is not traced
     with tr.loss.backward():  # the trainer's own backward of its own loss
         grad = hidden.grad
         hidden.grad = grad * 2
-    return {"hidden": hidden, "grad": grad}  # gathered to rank 0, kept in trainer.saved
+    # hidden and grad are gathered to rank 0 (ids, saved with gather="none", are not)
+    return {"input_ids": ids, "hidden": hidden, "grad": grad}  # kept in trainer.saved
 
 
 def options():
@@ -104,11 +107,15 @@ if sft.is_world_process_zero():
 
 
 def hooked(net):
-    """Raw hooks on the first block: per forward, its output and gradient (doubled)."""
+    """Raw hooks: per forward, the token ids, the first block's output and its gradient
+    (doubled)."""
     seen = []
+    net.transformer.wte.register_forward_hook(
+        lambda module, args, out: seen.append({"input_ids": args[0].clone()})
+    )
 
     def on_output(module, args, out):
-        seen.append({"hidden": out.detach().clone()})
+        seen[-1]["hidden"] = out.detach().clone()
 
         def on_gradient(grad):
             seen[-1]["grad"] = grad.detach().clone()
@@ -142,7 +149,11 @@ def differences(traced, net, seen):
                 (p - e[step][key]).abs().max() / e[step][key].abs().max()
                 for p, e in zip(parts, every)
             ]
-    return max(off).item(), ragged
+    own_ids = all(  # on every rank: the ids it saved with gather="none", its own
+        torch.equal(record.value["input_ids"], s["input_ids"])
+        for record, s in zip(traced.saved, seen)
+    )
+    return max(off).item(), ragged, own_ids
 
 
 plain = {
@@ -164,13 +175,13 @@ for name, traced in [("SFT", sft), ("DPO", dpo)]:
     moved = max(
         (p - q).abs().max().item() for p, q in zip(net.parameters(), build_gpt2().parameters())
     )
-    off, ragged = differences(traced, net, seen)
-    if len(traced.saved) != len(seen) or moved < 1e-4 or off > TOLERANCE:
+    off, ragged, own_ids = differences(traced, net, seen)
+    if len(traced.saved) != len(seen) or moved < 1e-4 or off > TOLERANCE or not own_ids:
         sys.exit(
             f"mismatch: {name}: {len(traced.saved)} records for {len(seen)} backward passes; "
             f"the plain steps moved the parameters by {moved:.1e}; against plain TRL with raw "
             f"hooks the parameters and saved values differ by {off:.1e} (relative; tolerance "
-            f"{TOLERANCE})"
+            f"{TOLERANCE}); the ids saved with gather='none' are this rank's: {own_ids}"
         )
     if WORLD > 1 and traced.is_world_process_zero() and not ragged:
         sys.exit(f"mismatch: {name}: no record was ragged, so rank_parts went unchecked")

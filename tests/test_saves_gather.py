@@ -1,5 +1,6 @@
 """The end-of-trace gather of saves (SavesGather) on 2 and 3 ranks (tests/dist/gather_job.py):
-exact values for every mode, dtype and join dim, an uneven step, streamed in chunks or not."""
+exact values for every mode, dtype and join dim, an uneven step, ragged steps (NaN-padded,
+each rank's part), streamed in chunks or not."""
 
 import sys
 from pathlib import Path

@@ -1,8 +1,7 @@
 """The end-of-trace gather of saves (SavesGather) on its own (no model): saves of several dtypes,
 modes and join dims, an uneven step, ragged steps (lengths that differ between the ranks outside
 the join dim: NaN-padded, ``distgrad.rank_parts``), with and without
-``config.gather_chunk_bytes``, checked
-exactly (torch.equal: the gather moves bytes, so nothing may differ) against the ranks' tensors
+``config.gather_chunk_bytes``, checked exactly (torch.equal: the gather moves bytes, so nothing may differ) against the ranks' tensors
 joined on one process. Every rank makes every rank's tensors from seeds, so each can compute the
 oracle. Exits non-zero on a mismatch; prints one line a bound: the rank's allocated buffers."""
 from __future__ import annotations
@@ -40,11 +39,12 @@ def ragged_tensors(step: int, rank: int) -> list:
     return [torch.randn(rows, length, 3, generator=g),                  # joined on dim 0
             torch.randn(3, rows, length, generator=g).double(),         # joined on dim 1
             torch.randn(rows, length, generator=g).to(torch.bfloat16),  # gather="all"
-            torch.randn(rows, 2, generator=g)]                          # not ragged
+            torch.randn(rows, 2, generator=g),                          # not ragged
+            torch.randn(2, length, generator=g)]                        # joined on dim -1
 
 
-RAGGED_MODES = ["rank0", "rank0", "all", "rank0"]
-RAGGED_DIMS = [0, 1, 0, 0]
+RAGGED_MODES = ["rank0", "rank0", "all", "rank0", "rank0"]
+RAGGED_DIMS = [0, 1, 0, 0, -1]
 
 
 def padded(parts: list, dim: int) -> torch.Tensor:
@@ -79,11 +79,11 @@ def ragged_steps(rank: int, world: int) -> list:
                         wrong.append(what + ": the rank's own value")
                     continue
                 parts = [e[i] for e in every]
-                expect = padded(parts, dim)
+                expect = padded(parts, dim % parts[0].dim())
                 if got.dtype != expect.dtype or not torch.equal(got.isnan(), expect.isnan()) \
                         or not torch.equal(got.nan_to_num(), expect.nan_to_num()):
                     wrong.append(what)
-                ragged = len({p.shape for p in parts}) > 1 and step != 2
+                ragged = len({p.shape for p in parts}) > 1 and step != 2 and dim != -1
                 if ragged and not all(torch.equal(a, b) for a, b in
                                       zip(distgrad.rank_parts(got), parts)):
                     wrong.append(what + ": rank_parts")

@@ -114,8 +114,8 @@ def case_ragged_saves(model, wrapped, rank, world):
 
 def case_ragged_errors(model, wrapped, rank, world):
     """Ragged integer ids cannot be padded with NaN; a save whose number of dims differs between
-    the ranks cannot be joined. Both raise on every rank, naming the save; the next trace
-    works."""
+    the ranks cannot be joined, nor one saved with a dim it does not have. Each raises on every
+    rank, naming the save; the next trace works."""
     ids = ids_of(rank)
 
     def ragged_ids():
@@ -131,6 +131,13 @@ def case_ragged_errors(model, wrapped, rank, world):
             (logits.sum(-1) if rank == 0 else logits).save()
 
     expect_error(different_dims, ValueError, "different numbers of dims", heard=False)
+
+    def dim_out_of_range():
+        with model.trace(ids):
+            model.output.logits.save(dim=3)
+
+    expect_error(dim_out_of_range, ValueError, "(model.output.logits) was saved with "
+                 ".save(dim=3), but it has 3 dims", heard=False)
     with model.trace(ids):
         kept = distgrad.save(model.transformer.wte.input, gather="none")
         last = model.output.logits[:, -1].save()  # one shape on every rank: joined as ever

@@ -174,8 +174,9 @@ class JoinPlan:
                     f"keep each rank's own with .save(gather='none')."
                 )
             shapes = [s[i][1] for s in specs]
-            self.shapes.append(joined_shape(shapes, dim, name))
-            self.dims.append(dim if own[i][1] else 0)
+            dim = join_dim(shapes, dim, name)
+            self.shapes.append(joined_shape(shapes, dim))
+            self.dims.append(dim)
             if own[i][1] and is_ragged(shapes, dim):
                 check_paddable(dtype, shapes, dim, name)
                 self.ragged[i] = shapes
@@ -222,9 +223,10 @@ class JoinPlan:
             dim, at, staged = self.dims[i], 0, []
             for r, spec in enumerate(self.specs):
                 size = spec[i][1][dim] if spec[i][1] else 1
-                part = out.narrow(dim, at, size)
                 if i in self.ragged:
                     part = out[region(spec[i][1], dim, at)]
+                else:
+                    part = out.narrow(dim, at, size)
                 at += size
                 if not part.is_contiguous():
                     staged.append((part, torch.empty(part.shape, dtype=dtype, device=device)))
@@ -295,15 +297,30 @@ def check_same_values(specs: list) -> None:
             )
 
 
-def joined_shape(shapes: list[tuple], dim: int, name: str) -> tuple:
-    """The global shape of a save: the ranks' tensors joined on ``dim`` (0-dim ones stacked),
-    padded to the largest rank's size in the other dims where those differ (ragged)."""
+def join_dim(shapes: list[tuple], dim: int, name: str) -> int:
+    """The dim the ranks' tensors join on, counted from 0 (``.save(dim=-1)``: the last); 0 for
+    0-dim tensors, which are stacked."""
     if any(len(s) != len(shapes[0]) for s in shapes):
         raise ValueError(
             f"{name} has shapes {[list(s) for s in shapes]} on the ranks, with "
             f"different numbers of dims: they cannot be joined along dim {dim}. Save the same "
             f"value on every rank, or keep each rank's own with .save(gather='none')."
         )
+    ndim = len(shapes[0])
+    if not ndim:
+        return 0
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{name} was saved with .save(dim={dim}), but it has {ndim} dims, "
+            f"{list(shapes[0])}: give a dim from {-ndim} to {ndim - 1} to join the ranks' "
+            f"tensors along."
+        )
+    return dim % ndim
+
+
+def joined_shape(shapes: list[tuple], dim: int) -> tuple:
+    """The global shape of a save: the ranks' tensors joined on ``dim`` (0-dim ones stacked),
+    padded to the largest rank's size in the other dims where those differ (ragged)."""
     if len(shapes[0]) == 0:
         return (len(shapes),)  # 0-dim values are stacked to [world_size]
     return padded_shape(shapes, dim)

@@ -6,7 +6,8 @@ outputs, gradients and logits are checked against one process with plain autogra
 rank's rows (forward hooks, tensor hooks; the loss of a rank's rows is its own, so each rank's
 activation gradients are those of its loss): each rank's part of the padded global value
 (``distgrad.rank_parts``), NaN everywhere else, the opt-out ``gather="none"``, and the errors
-for a ragged integer save and for saves of different numbers of dims. Parameter gradients are
+for a ragged integer save, for saves of different numbers of dims or dtypes and for a join
+dim the tensor lacks. Parameter gradients are
 checked too (DDP and FSDP2 average them: the oracle's sum over ranks divided by 2).
 Tolerance: fp32, rtol 1e-5, atol 1e-6 (torch.testing.assert_close).
 """
@@ -114,7 +115,8 @@ def case_ragged_saves(model, wrapped, rank, world):
 
 def case_ragged_errors(model, wrapped, rank, world):
     """Ragged integer ids cannot be padded with NaN; a save whose number of dims differs between
-    the ranks cannot be joined, nor one saved with a dim it does not have. Each raises on every
+    the ranks cannot be joined, nor one whose dtype differs, nor one saved with a dim it does
+    not have. Each raises on every
     rank, naming the save; the next trace works."""
     ids = ids_of(rank)
 
@@ -131,6 +133,14 @@ def case_ragged_errors(model, wrapped, rank, world):
             (logits.sum(-1) if rank == 0 else logits).save()
 
     expect_error(different_dims, ValueError, "different numbers of dims", heard=False)
+
+    def different_dtypes():
+        with model.trace(ids):
+            logits = model.output.logits * 1
+            (logits.double() if rank == 1 else logits).save()
+
+    expect_error(different_dtypes, ValueError, "has dtypes ['torch.float32', 'torch.float64']",
+                 heard=False)
 
     def dim_out_of_range():
         with model.trace(ids):

@@ -7,8 +7,8 @@ rank's rows (forward hooks, tensor hooks; the loss of a rank's rows is its own, 
 activation gradients are those of its loss): each rank's part of the padded global value
 (``distgrad.rank_parts``), NaN everywhere else, the opt-out ``gather="none"``, and the errors
 for a ragged integer save, for saves of different numbers of dims or dtypes and for a join
-dim the tensor lacks. Parameter gradients are
-checked too (DDP and FSDP2 average them: the oracle's sum over ranks divided by 2).
+dim the tensor lacks. Parameter gradients are checked too (DDP and FSDP2 average them: the
+oracle's sum over ranks divided by 2).
 Tolerance: fp32, rtol 1e-5, atol 1e-6 (torch.testing.assert_close).
 """
 from __future__ import annotations

@@ -68,6 +68,14 @@ def rank_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
     (``.save(dim=...)``, 0 by default), e.g. activations of batches each rank padded to its own
     sequence length. Where the gather delivered it (rank 0, or every rank with
     ``gather="all"``) it is one tensor padded with NaN; elsewhere the rank's own.
+
+    Raises ValueError for any other tensor (one process; a rank that kept its own; a save whose
+    ranks' shapes agreed outside the join dim): it carries no shapes to cut it by. ::
+
+        with model.trace(batch):     # rank 0: 2 rows of 24 tokens, rank 1: 2 rows of 30
+            h = model.transformer.h[0].output.save()
+        if dist.get_rank() == 0:     # h: [4, 30, 64], NaN in rows 0-1 after token 24
+            first, second = distgrad.rank_parts(h)   # [2, 24, 64], [2, 30, 64]
     """
     entry = RAGGED_SHAPES.get(tensor)
     if entry is None or entry[0] != tuple(tensor.shape):

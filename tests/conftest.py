@@ -80,6 +80,15 @@ def _mlp():
     )
 
 
+def prompts(tokenizer, texts) -> dict:
+    """Texts as a decoder's batch of prompts, laid out as nnsight's ``LanguageModel`` lays them
+    (and distgrad, for a model that generates): padded on the left, each row's
+    ``position_ids`` counted from its first token."""
+    enc = dict(tokenizer(texts, return_tensors="pt", padding=True, padding_side="left"))
+    enc["position_ids"] = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return enc
+
+
 def _fresh(net):
     net.zero_grad(set_to_none=True)
     return net

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+from conftest import prompts
 from torch import nn
 
 ATOL = 1e-6
@@ -71,7 +72,9 @@ def mlp_fc1_grad(net: MLP, x: torch.Tensor) -> torch.Tensor:
 
 
 def encode(tokenizer, text) -> dict:
-    return dict(tokenizer(text, return_tensors="pt", padding=True))
+    """Text as the GPT-2 of the ports runs it: prompts of different lengths padded on the left,
+    with their own positions (``conftest.prompts``, nnsight's ``LanguageModel`` layout)."""
+    return prompts(tokenizer, text)
 
 
 def hooked_run(net: nn.Module, inputs, modules: dict, edits: dict | None = None):

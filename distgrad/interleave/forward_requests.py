@@ -42,7 +42,7 @@ class ForwardRequests(Requests):
     def forward_session(self) -> Session:
         if self.forward is None:
             trace = self.trace
-            args, kwargs = batching.prepare(*trace.raw_inputs, trace.tokenizer)
+            args, kwargs = batching.prepare(*trace.raw_inputs, trace.tokenizer, self.engine.model)
             self.forward = self.open_session([trace.body], args, kwargs)
         return self.forward
 

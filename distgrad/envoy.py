@@ -13,9 +13,12 @@ import difflib
 import functools
 
 import torch
+from torch import Tensor
 
 from .errors import ModuleIndexError, TraceStateError, TraceUsageError
 from .interleave.session import UNSET, current_body
+from .saveable import SaveableDict, SaveableList, held, held_inputs
+from .steps import at_step
 from .torch_internals import submodules
 from .wrappers import module_path
 
@@ -229,6 +232,8 @@ class Envoy:
             raise TraceUsageError(
                 f"{self._path}.{kind} can only be used inside `with model.trace(...):`."
             )
+        if body.step is not None and self._call is None:  # in a tracer.iter loop (steps.py)
+            return body, at_step(body, self, kind, self.call(body.step))
         return body, body.requests.module_value(body, self, kind)
 
     @property
@@ -240,6 +245,10 @@ class Envoy:
         if value is UNSET:
             value = pause.view
         body.remember(value, self._path, ".output")
+        if type(value) is not Tensor:  # a container: given .save() (saveable.py)
+            value = held(value, body)
+            if type(value) in (SaveableList, SaveableDict) and pause.replacement is UNSET:
+                pause.replacement = value  # the run goes on with the list the body holds
         return value
 
     @output.setter
@@ -252,7 +261,7 @@ class Envoy:
     def inputs(self):
         """``(args, kwargs)`` of the call."""
         _, pause = self._pause("input")
-        return pause.replacement if pause.replacement is not UNSET else pause.view
+        return held_inputs(pause.replacement if pause.replacement is not UNSET else pause.view)
 
     @inputs.setter
     def inputs(self, value):
@@ -269,6 +278,9 @@ class Envoy:
         args, kwargs = pause.replacement if pause.replacement is not UNSET else pause.view
         value = _first(args, kwargs, self._path)
         body.remember(value, self._path, ".input")
+        if type(value) is not Tensor and type(value) not in (list, dict):
+            # (a list or dict argument is handed over as it is: the call goes on with it)
+            value = held(value, body)
         return value
 
     @input.setter

@@ -9,19 +9,21 @@ the run.
 from __future__ import annotations
 
 import sys
+import warnings
 
 import greenlet
 import torch
 
 from . import capture, engines, patches, wrappers
 from .envoy import Envoy
-from .errors import TraceStateError, TraceUsageError, drop_context, forget_frames
+from .errors import StepsEnded, TraceStateError, TraceUsageError, drop_context, forget_frames
 from .interleave import batching
 from .interleave.forward_requests import ForwardRequests
 from .interleave.invoke import Invoke, Invokes
 from .interleave.requests import Requests
 from .interleave.session import BODIES, Body, current_body
 from .interleave.step import StepRequests
+from .steps import Steps
 
 _NO_TOKENIZER = (
     "model.tokenizer: this model was wrapped without one, and its module has none. Pass it "
@@ -178,7 +180,11 @@ class Trace:
 
     def __exit__(self, exc_type, exc, tb):
         skipped = exc_type is capture.SkipBody and self.frame is not None
-        if skipped:
+        ended = exc_type is StepsEnded  # a tracer.iter loop outran the run: the body ends here
+        if ended:
+            warnings.warn(str(exc), stacklevel=2)
+            exc = None
+        elif skipped:
             capture.resume_tracing(exc)
             skip, exc = exc, None  # the body was lifted out, to run per microbatch
         elif exc is not None:
@@ -208,7 +214,7 @@ class Trace:
                 # This frame joins the traceback of whatever leaves it; locals that hold that
                 # exception would make a cycle through it.
                 error = exc = skip = tb = None  # noqa: F841
-        return skipped
+        return skipped or ended
 
     def _release(self) -> None:
         """Let go of everything the trace ran with. The body, the requests, the invokes and
@@ -216,6 +222,7 @@ class Trace:
         they are, those cycles would keep every tensor of the step alive until the cycle
         collector runs, step after step (on a GPU, memory held across steps)."""
         self.body.requests = None
+        self.body.release_held()
         self.body = None  # its saves too: they belong to the user now
         for invoke in self.invokes:
             if invoke.frame is not None:
@@ -261,6 +268,23 @@ class Trace:
             self.requests = self.body.requests = Invokes(self)
             self.mode = self.requests.mode
         return Invoke(self, args, kwargs)
+
+    @property
+    def iter(self) -> Steps:
+        """nnsight's loop over the steps of the run: ``for step in tracer.iter[1:3]:`` reads
+        each module's value at those steps (``steps.py``; docs/nnsight.rst)."""
+        return Steps()
+
+    def all(self) -> Steps:
+        """Every step: ``tracer.iter[:]``."""
+        return Steps()[:]
+
+    def next(self, *args, **kwargs):
+        raise AttributeError(
+            "tracer.next(): nnsight 0.8.1 has no next() either; loop over the steps with "
+            "`for step in tracer.iter[...]:` (or tracer.all()), or name a module's i-th call "
+            "with model.<module>.call(i)."
+        )
 
     @property
     def result(self):

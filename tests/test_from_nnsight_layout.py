@@ -4,24 +4,27 @@ nnsight's ``LanguageModel`` pads a decoder's invokes on the left and passes ``po
 counted from each row's first token, so that in every invoke ``model.lm_head.output[:, -1]``
 is that prompt's last token, at the position it has alone. distgrad lays invokes out the same
 way (``interleave/token_ids.py``). Each program here runs three ways on the same weights: in
-distgrad, in nnsight 0.8.1 itself (``nnsight.LanguageModel`` around a copy of the module, with a
-tokenizer of its own, since nnsight sets its ``padding_side``) and, per prompt, alone in plain
-PyTorch (forward hooks, ``torch.autograd.grad``, ``generate``). On the tiny GPT-2 (absolute
+distgrad, in nnsight 0.8.1 itself (``nnsight.LanguageModel`` around the same model built
+afresh, with a tokenizer of its own, since nnsight sets its ``padding_side``; in a fresh
+process, ``nnsight_job.py``) and, per prompt, alone in plain PyTorch (forward hooks,
+``torch.autograd.grad``, ``generate``). On the tiny GPT-2 (absolute
 positions: the ``position_ids`` matter) and the tiny Llama (rotary positions). fp32, rtol 1e-5
 (atol 1e-6, and for gradients 1e-5 of their largest entry: the batch and the prompt alone sum
 in different orders); distgrad and nnsight agree to the same tolerance.
 """
 
-import copy
-import warnings
+import importlib.util
 
 import pytest
 import torch
+from conftest import NETS, run_in_nnsight
 
 import distgrad
 from distgrad.demo.models import build_tokenizer
 
-nnsight = pytest.importorskip("nnsight")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("nnsight") is None, reason="nnsight is not installed"
+)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 LONG, SHORT = "The Eiffel Tower is in", "Hi"
@@ -30,14 +33,32 @@ GREEDY = dict(max_new_tokens=4, do_sample=False)
 
 
 @pytest.fixture(params=["gpt2", "llama"])
-def net(request):
-    return request.getfixturevalue(request.param)
+def name(request):
+    return request.param
 
 
-def _nnsight(net):
-    with warnings.catch_warnings():  # LanguageModel warns that it is deprecated
-        warnings.simplefilter("ignore")
-        return nnsight.LanguageModel(copy.deepcopy(net), tokenizer=build_tokenizer())
+@pytest.fixture
+def net(name):
+    return NETS[name]()
+
+
+@pytest.fixture(scope="module")
+def theirs():
+    return run_in_nnsight(__name__)
+
+
+def nnsight_numbers(nnsight) -> dict:
+    """This module's programs run by nnsight (in ``nnsight_job.py``'s process), per model."""
+    numbers = {}
+    for name, build in NETS.items():
+        model = nnsight.LanguageModel(build(), tokenizer=build_tokenizer())
+        numbers[name] = {
+            "text": _last_tokens(model, nnsight.save, [LONG, SHORT]),
+            "ids": _last_tokens(model, nnsight.save, IDS),
+            "edit": _edited_and_grad(model, nnsight.save, [LONG, SHORT]),
+            "generate": _generated(model, nnsight.save, IDS),
+        }
+    return numbers
 
 
 def _alone(net, tokenizer, prompt, module=None, edit=None):
@@ -79,12 +100,11 @@ def _last_tokens(model, save, prompts):
 
 
 @pytest.mark.parametrize("form", ["text", "ids"])
-def test_each_invokes_last_token_is_its_prompts(net, tokenizer, form):
+def test_each_invokes_last_token_is_its_prompts(name, net, tokenizer, theirs, form):
     prompts = [LONG, SHORT] if form == "text" else IDS
     model = distgrad.wrap(net, tokenizer=tokenizer)
     got = _last_tokens(model, distgrad.save, prompts)
-    theirs = _last_tokens(_nnsight(net), nnsight.save, prompts)
-    for prompt, mine, nn_value in zip(prompts, got, theirs):
+    for prompt, mine, nn_value in zip(prompts, got, theirs[name][form]):
         alone = _alone(net, tokenizer, prompt)[0]
         torch.testing.assert_close(mine, alone, **TOL)
         torch.testing.assert_close(mine, nn_value, **TOL)
@@ -107,11 +127,10 @@ def _edited_and_grad(model, save, prompts):
     return long_last, short_last, grad
 
 
-def test_an_edit_and_a_gradient_in_the_shorter_invoke(net, tokenizer):
+def test_an_edit_and_a_gradient_in_the_shorter_invoke(name, net, tokenizer, theirs):
     prompts = [LONG, SHORT]
     model = distgrad.wrap(net, tokenizer=tokenizer)
     got = _edited_and_grad(model, distgrad.save, prompts)
-    theirs = _edited_and_grad(_nnsight(net), nnsight.save, prompts)
 
     def zero_last(out):
         out = out.clone()
@@ -128,7 +147,8 @@ def test_an_edit_and_a_gradient_in_the_shorter_invoke(net, tokenizer):
     scale = grad.abs().max().item()
     torch.testing.assert_close(got[2][:, -n:], grad, rtol=1e-5, atol=1e-5 * scale)
     assert torch.all(got[2][:, :-n] == 0)  # padding: masked, no gradient
-    for mine, nn_value in zip(got, theirs):
+    assert len(theirs[name]["edit"]) == 3
+    for mine, nn_value in zip(got, theirs[name]["edit"]):
         torch.testing.assert_close(mine, nn_value, **TOL)
 
 
@@ -141,11 +161,10 @@ def _generated(model, save, prompts):
     return outs
 
 
-def test_batched_generate_continues_each_prompt(net, tokenizer):
+def test_batched_generate_continues_each_prompt(name, net, tokenizer, theirs):
     model = distgrad.wrap(net, tokenizer=tokenizer)
     got = _generated(model, distgrad.save, IDS)
-    theirs = _generated(_nnsight(net), nnsight.save, IDS)
-    for prompt, mine, nn_ids in zip(IDS, got, theirs):
+    for prompt, mine, nn_ids in zip(IDS, got, theirs[name]["generate"]):
         ids = torch.tensor([prompt])
         alone = net.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **GREEDY)
         assert torch.equal(mine[:, -GREEDY["max_new_tokens"] :], alone[:, len(prompt) :])

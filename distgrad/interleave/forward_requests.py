@@ -94,6 +94,35 @@ class ForwardRequests(Requests):
         body.remember(self.generated, "tracer", ".result")
         return self.generated
 
+    def run_ended(self) -> bool:
+        return self.forward is not None and self.forward.finished
+
+    def steps_made(self, module):
+        model = self.engine.model
+        if self.trace.method != "generate" or module is model or self.forward is None:
+            return None
+        # the model's output point counts its calls if it was there before the run started:
+        # the one every first request sets on the engine's root, when the root is the model
+        point = self.forward.points.get((id(model), "output"))
+        if point is None or self.engine.root is not model:
+            return None
+        return point.calls
+
+    def name_for_steps(self, envoy, kind: str) -> None:
+        """In a ``generate`` trace, a module a ``tracer.iter`` loop names first counts its calls
+        from the start of generation: its point, made now, starts at the steps the model has
+        ended (one call a step; if the module already ran in the step under way, the check of
+        ``steps.at_step`` finds its calls one step late and raises)."""
+        model = self.engine.model
+        if self.trace.method != "generate" or self.engine.root is not model:
+            return
+        session = self.forward or self.forward_session()
+        module = envoy._module
+        if module is model or (id(module), kind) in session.points:
+            return
+        point = self._new_point(session, envoy, kind)
+        point.calls = session.points[(id(model), "output")].calls
+
     # -- module values --------------------------------------------------------------------
     def module_value(self, body, envoy, kind: str):
         module, call = envoy._module, envoy._call

@@ -160,6 +160,7 @@ class Invokes(ForwardRequests):
                 fill_retained_grads(self.slices, self.hooked)
             for body in bodies:
                 body.requests = None
+                body.release_held()
         saved = {id(entry[0]) for body in bodies for entry in body.saves}
         trace.body.saves.extend(v for body in bodies for v in body.saves)
         live = _frames_on_stack()

@@ -46,12 +46,20 @@ class Body:
         self.block = None  # the open BackwardTracer, if any
         self.saves: list = []
         self.labels: dict = {}  # id(tensor) -> (tensor, "model.x.output") for messages
+        self.held: list = []  # (object, its class): objects given .save() (saveable.py)
+        self.step = None  # the step a tracer.iter loop is at (steps.py); None: no loop
 
     def label_of(self, tensor) -> str:
         entry = self.labels.get(id(tensor))
         if entry is None or entry[0] is not tensor:
             return describe_tensor(tensor)
         return entry[1] + entry[2]
+
+    def release_held(self) -> None:
+        """Give the objects this body held with ``.save()`` their own class back."""
+        held, self.held = self.held, []
+        for value, cls in held:
+            value.__class__ = cls
 
     def remember(self, value, path: str, kind: str) -> None:
         """Name the tensors in a value handed to the body, for error messages. The label is

@@ -13,12 +13,10 @@ import difflib
 import functools
 
 import torch
-from torch import Tensor
 
 from .errors import ModuleIndexError, TraceStateError, TraceUsageError
 from .interleave.session import UNSET, current_body
-from .saveable import SaveableDict, SaveableList, held, held_inputs
-from .steps import at_step
+from .saveable import held, held_inputs
 from .torch_internals import submodules
 from .wrappers import module_path
 
@@ -110,6 +108,12 @@ class Envoy:
         names = list(submodules(module)) + [n for n, _ in module.named_parameters(recurse=False)]
         near = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(f'{self._path}.{n}' for n in near)}?" if near else ""
+        if name in _STEP_NAMES:
+            hint = (
+                f" To read a module at each step of a run, loop over the steps: `for step in "
+                f"tracer.iter[...]:` (or tracer.all()), or name its i-th call: "
+                f"{self._path}.call(i)."
+            )
         listing = ", ".join(list(submodules(module))[:12]) or "none"
         raise AttributeError(
             f"{self._path} ({type(module).__name__}) has no submodule or "
@@ -232,8 +236,6 @@ class Envoy:
             raise TraceUsageError(
                 f"{self._path}.{kind} can only be used inside `with model.trace(...):`."
             )
-        if body.step is not None and self._call is None:  # in a tracer.iter loop (steps.py)
-            return body, at_step(body, self, kind, self.call(body.step))
         return body, body.requests.module_value(body, self, kind)
 
     @property
@@ -244,12 +246,7 @@ class Envoy:
         value = pause.replacement
         if value is UNSET:
             value = pause.view
-        body.remember(value, self._path, ".output")
-        if type(value) is not Tensor:  # a container: given .save() (saveable.py)
-            value = held(value, body)
-            if type(value) in (SaveableList, SaveableDict) and pause.replacement is UNSET:
-                pause.replacement = value  # the run goes on with the list the body holds
-        return value
+        return body.remember(value, self._path, ".output", pause, held)  # (saveable.py)
 
     @output.setter
     def output(self, value):
@@ -277,11 +274,7 @@ class Envoy:
         body, pause = self._pause("input")
         args, kwargs = pause.replacement if pause.replacement is not UNSET else pause.view
         value = _first(args, kwargs, self._path)
-        body.remember(value, self._path, ".input")
-        if type(value) is not Tensor and type(value) not in (list, dict):
-            # (a list or dict argument is handed over as it is: the call goes on with it)
-            value = held(value, body)
-        return value
+        return body.remember(value, self._path, ".input", None, held)  # (saveable.py)
 
     @input.setter
     def input(self, value):
@@ -321,6 +314,9 @@ def _first(args, kwargs, path):
         return next(iter(kwargs.values()))
     raise TraceStateError(f"{path}.input: this call has no arguments.")
 
+
+# nnsight's spellings of steps on a module (``model.next()``, ``model.all()``, ``model.iter``)
+_STEP_NAMES = frozenset({"next", "all", "iter"})
 
 # nn.Module's methods that return the module itself (other methods are returned unchanged)
 _RETURN_THE_MODULE = frozenset(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .interleave.session import UNSET
 from .saving import save
 
 
@@ -86,15 +87,21 @@ def _has_save(cls) -> bool:
     return any("save" in vars(klass) for klass in cls.__mro__[:-1])
 
 
-def held(value, body):
-    """``value`` (not a tensor) as the body holds it: with ``.save()`` where it had none."""
+def held(value, body, pause):
+    """``value`` (not a tensor) as the body holds it: with ``.save()`` where it had none.
+    ``pause``: where the run goes on with a list or dict the body holds (None for a call's
+    argument, which is handed over as it is)."""
     cls = type(value)
     if cls is tuple:
         return SaveableTuple(value)
-    if cls is list:
-        return SaveableList(value)
-    if cls is dict:
-        return SaveableDict(value)
+    if cls is list or cls is dict:
+        if pause is None:
+            return value
+        copy = SaveableList(value) if cls is list else SaveableDict(value)
+        if pause.replacement is UNSET or pause.replacement is value:
+            # the run goes on with the one the body holds
+            pause.replacement = copy
+        return copy
     if (
         value is None
         or isinstance(value, (torch.Tensor, torch.nn.Module, type))

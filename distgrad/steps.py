@@ -7,11 +7,12 @@ layer) is a loop::
         for step in tracer.iter[1:3]:
             h = model.transformer.h[0].output.save()  # steps 1 and 2
 
-While the loop runs step ``s``, a module value read without ``.call(i)`` is that module's
-``.call(s)`` (``envoy.py``): the ``s``-th call counted from 0, as ``.call(i)`` counts. A
-``generate`` run makes one call of the model per step, and each read is checked against it:
-a module first named after generation started counts its calls from there, and a read
-whose call is not in step ``s`` raises instead of handing over another step's value.
+While the loop runs step ``s``, the body's requests are an ``AtStep`` over the trace's own, and
+a module value read without ``.call(i)`` is that module's ``.call(s)``: the ``s``-th call
+counted from 0, as ``.call(i)`` counts (a body outside a loop pays nothing for this). A
+``generate`` run makes one call of the model per step: a module a loop names first counts its
+calls from the start of generation, and each read is checked to be in its step, raising
+rather than handing over another step's value (a module named in a step after it ran there).
 
 A step the run does not make (``tracer.all()`` after the last token, ``tracer.iter[:10]``
 with ``max_new_tokens=3``) ends the loop as nnsight ends it: the values saved in the steps
@@ -33,7 +34,7 @@ class Steps:
 
     def __init__(self, start: int = 0, stop: int | None = None, chosen: list | None = None):
         self.start, self.stop, self.chosen = start, stop, chosen
-        self.before = None  # the step pinned before `with tracer.iter[i]:`, put back at its end
+        self.before = None  # the body's requests before `with tracer.iter[i]:`, put back after
 
     def __getitem__(self, key) -> Steps:
         if isinstance(key, slice):
@@ -58,13 +59,14 @@ class Steps:
 
     def __iter__(self):
         body = _body("for step in tracer.iter[...]")
-        before = body.step
+        outer = body.requests
         try:
             for step in self._indices():
-                body.step = step
+                body.requests = AtStep(outer, step)
                 yield step
         finally:
-            body.step = before
+            if isinstance(body.requests, AtStep):  # (not once the trace has let go of it)
+                body.requests = outer
 
     def __enter__(self):
         steps = list(self._indices()) if self.stop is not None or self.chosen else []
@@ -75,14 +77,37 @@ class Steps:
                 "`for step in tracer.iter[...]:`."
             )
         body = _body("with tracer.iter[...]")
-        self.before, body.step = body.step, steps[0]
+        self.before = body.requests
+        body.requests = AtStep(self.before, steps[0])
         return steps[0]
 
     def __exit__(self, *exc):
         body = current_body()
-        if body is not None:
-            body.step = self.before
+        if body is not None and isinstance(body.requests, AtStep):
+            body.requests = self.before
+        self.before = None
         return False
+
+
+class AtStep:
+    """A body's requests while a ``tracer.iter`` loop is at ``step``: a module value read
+    without ``.call(i)`` is read at the step (``at_step``); everything else is served by the
+    trace's own requests, ``inner``. (Put in place of ``body.requests`` by the loop, so that a
+    body outside any loop pays nothing for it.)"""
+
+    __slots__ = ("inner", "step")
+
+    def __init__(self, inner, step: int):
+        self.inner = inner.inner if isinstance(inner, AtStep) else inner
+        self.step = step
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def module_value(self, body, envoy, kind: str):
+        if envoy._call is not None:
+            return self.inner.module_value(body, envoy, kind)
+        return at_step(self.inner, body, envoy, kind, self.step)
 
 
 def _step(value) -> int:
@@ -101,10 +126,10 @@ def _body(what: str):
     return body
 
 
-def at_step(body, envoy, kind: str, at):
-    """The pause at ``at`` (``envoy`` at the body's step: ``envoy.call(step)``), checked to be
-    in that step of the run; a step the run did not make raises ``StepsEnded``."""
-    step, requests = body.step, body.requests
+def at_step(requests, body, envoy, kind: str, step: int):
+    """The pause at ``envoy.call(step)``, checked to be in that step of the run; a step the
+    run did not make raises ``StepsEnded``."""
+    at = envoy.call(step)
     requests.name_for_steps(at, kind)
     try:
         pause = requests.module_value(body, at, kind)

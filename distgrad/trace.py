@@ -292,7 +292,9 @@ class Trace:
         generated ids). Reading it runs generation to its end, so read module values before
         it; ``.save()`` it to keep it after the block (``ids = tracer.result.save()``)."""
         body = current_body()
-        if body is None or self.requests is None or body.requests is not self.requests:
+        requests = body.requests if body is not None else None
+        requests = getattr(requests, "inner", requests)  # (in a tracer.iter loop: steps.py)
+        if requests is None or self.requests is None or requests is not self.requests:
             raise TraceStateError(
                 "tracer.result was read outside the body of its trace: it is served inside "
                 "`with model.generate(...) as tracer:`, once generate() has returned. Save it "

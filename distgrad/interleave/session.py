@@ -47,7 +47,6 @@ class Body:
         self.saves: list = []
         self.labels: dict = {}  # id(tensor) -> (tensor, "model.x.output") for messages
         self.held: list = []  # (object, its class): objects given .save() (saveable.py)
-        self.step = None  # the step a tracer.iter loop is at (steps.py); None: no loop
 
     def label_of(self, tensor) -> str:
         entry = self.labels.get(id(tensor))
@@ -61,12 +60,15 @@ class Body:
         for value, cls in held:
             value.__class__ = cls
 
-    def remember(self, value, path: str, kind: str) -> None:
-        """Name the tensors in a value handed to the body, for error messages. The label is
-        kept in pieces (``path``, ``".output"``) and joined only when a message needs it."""
+    def remember(self, value, path: str, kind: str, pause=None, hold=None):
+        """Name the tensors in a value handed to the body, for error messages, and return the
+        value as the body holds it: a value that is not a tensor as ``hold(value, body,
+        pause)`` makes it (``saveable.held``), if given. The label is kept in pieces (``path``,
+        ``".output"``) and joined only when a message needs it."""
         if isinstance(value, torch.Tensor):
             self.labels[id(value)] = (value, path, kind)
-        elif isinstance(value, dict):  # ModelOutput too: model.output.logits
+            return value
+        if isinstance(value, dict):  # ModelOutput too: model.output.logits
             for key, item in value.items():
                 if isinstance(item, torch.Tensor):
                     self.labels[id(item)] = (item, path, f"{kind}.{key}")
@@ -74,6 +76,7 @@ class Body:
             for i, item in enumerate(value):
                 if isinstance(item, torch.Tensor):
                     self.labels[id(item)] = (item, path, f"{kind}[{i}]")
+        return value if hold is None else hold(value, self, pause)
 
 
 class Pause:

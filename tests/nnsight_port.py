@@ -13,8 +13,8 @@ nnsight features distgrad does not offer, whose tests are not ported:
 - ``tracer.stop()``: ending the forward early from the body.
 - ``.skip(value)``: replacing a module's call without running it.
 - ``.source``: values inside a module's forward (operations of its source).
-- ``.next()``, ``.all()``, ``tracer.iter[...]``: looping a body over generation steps
-  (``.call(i)`` names a module's i-th call instead).
+- ``model.iter`` and ``model.all()``: nnsight's deprecated spellings of ``tracer.iter`` and
+  ``tracer.all()``, which distgrad serves (``test_from_nnsight_steps.py``).
 - ``model.scan(...)``: shapes from a fake-tensor run.
 - ``tracer.cache(...)``: recording every module's values.
 - ``tracer.barrier(n)``: ordering invoke bodies against each other.

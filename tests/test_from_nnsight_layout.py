@@ -187,3 +187,21 @@ def test_the_tokenizers_padding_side_is_left_as_it_is(gpt2):
     assert mask[0, -n:].all() and not mask[0, :-n].any()
     assert torch.equal(short.inputs[1]["position_ids"][0, -n:], torch.arange(n))
     assert tokenizer.padding_side == "right"
+
+
+def test_a_padding_side_beside_the_text_is_the_tokenizers(gpt2, tokenizer):
+    """``padding_side="right"`` given with the text goes to the tokenizer: the rows are padded
+    on the right and the model counts their positions, as ``net(**tokenizer(..., padding_side=
+    "right"))`` runs them."""
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    with model.trace() as tracer:
+        with tracer.invoke(LONG, padding_side="right"):
+            pass
+        with tracer.invoke(SHORT, padding_side="right") as short:
+            logits = model.output.logits.save()
+    assert "position_ids" not in short.inputs[1]
+    enc = tokenizer([LONG, SHORT], return_tensors="pt", padding=True, padding_side="right")
+    with torch.no_grad():
+        expected = gpt2(**enc).logits[1:]
+    torch.testing.assert_close(logits, expected, **TOL)
+    assert not short.inputs[1]["attention_mask"][0, -1]  # padded at the end

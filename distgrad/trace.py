@@ -204,6 +204,9 @@ class Trace:
                 wrappers.EAGER.leave(self.eager)
                 self.requests.close()
                 BODIES.pop(self._glet, None)
+                # the objects given .save() are of their own class again before the engine
+                # gathers the saves (a gather may rebuild one from its class)
+                self.body.release_held()
                 try:
                     instead = self.engine.end_trace(self.body.saves, error)
                 finally:
@@ -222,7 +225,6 @@ class Trace:
         they are, those cycles would keep every tensor of the step alive until the cycle
         collector runs, step after step (on a GPU, memory held across steps)."""
         self.body.requests = None
-        self.body.release_held()
         self.body = None  # its saves too: they belong to the user now
         for invoke in self.invokes:
             if invoke.frame is not None:

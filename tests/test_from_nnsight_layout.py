@@ -205,3 +205,20 @@ def test_a_padding_side_beside_the_text_is_the_tokenizers(gpt2, tokenizer):
         expected = gpt2(**enc).logits[1:]
     torch.testing.assert_close(logits, expected, **TOL)
     assert not short.inputs[1]["attention_mask"][0, -1]  # padded at the end
+
+
+class CallWithoutPaddingSide(type(build_tokenizer())):
+    """A tokenizer whose call takes no ``padding_side`` (as before transformers 4.45): it pads
+    on its ``padding_side`` attribute."""
+
+    def __call__(self, text, padding=False, return_tensors=None, **kwargs):
+        return super().__call__(text, padding=padding, return_tensors=return_tensors, **kwargs)
+
+
+def test_a_tokenizer_without_padding_side_in_its_call(gpt2):
+    tokenizer = CallWithoutPaddingSide()
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    got = _last_tokens(model, distgrad.save, [LONG, SHORT])
+    assert tokenizer.padding_side == "right"  # set for the call only
+    for prompt, mine in zip([LONG, SHORT], got):
+        torch.testing.assert_close(mine, _alone(gpt2, tokenizer, prompt)[0], **TOL)

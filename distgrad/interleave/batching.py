@@ -40,15 +40,30 @@ def prepare(
         options, kwargs = tokenizer_options(tokenizer, kwargs)
         side = "left" if token_ids.pads_left(module, tokenizer) else "right"
         options = {"return_tensors": "pt", "padding": True, "padding_side": side, **options}
-        if "padding_side" not in _call_parameters(type(tokenizer)):
-            del options["padding_side"]  # a tokenizer that pads only on its own side
-        encoded = dict(tokenizer(texts, **options))
+        encoded = _tokenize(tokenizer, texts, options)
         if positions and options.get("padding_side") == "left":
             encoded = token_ids.with_positions((), encoded, module)
         return args[1:], {**encoded, **kwargs}
     if args and isinstance(args[0], Mapping) and not kwargs and len(args) == 1:
         return (), dict(args[0])  # a BatchEncoding or a dict of model inputs
     return tuple(args), dict(kwargs)
+
+
+def _tokenize(tokenizer, texts: list, options: dict) -> dict:
+    """``tokenizer(texts, **options)``; a tokenizer whose call takes no ``padding_side`` pads
+    on its ``padding_side`` attribute, set for this call only."""
+    if "padding_side" in _call_parameters(type(tokenizer)):
+        return dict(tokenizer(texts, **options))
+    options = dict(options)
+    side = options.pop("padding_side")
+    own = getattr(tokenizer, "padding_side", None)
+    if own is None:
+        return dict(tokenizer(texts, **options))
+    tokenizer.padding_side = side
+    try:
+        return dict(tokenizer(texts, **options))
+    finally:
+        tokenizer.padding_side = own
 
 
 def tokenizer_options(tokenizer, kwargs: dict) -> tuple[dict, dict]:

@@ -239,3 +239,26 @@ def test_a_module_first_named_after_it_ran_in_the_step_raises(gpt2):
             model.lm_head.output  # noqa: B018 - step 0, after block 0 has run
             for _ in tracer.iter[1:2]:
                 model.transformer.h[0].output  # noqa: B018
+
+
+def test_an_invokes_loop_that_outruns_generation_ends_only_that_body(gpt2, tokenizer):
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+    with pytest.warns(UserWarning, match="cut short"):
+        with model.generate(**GREEDY) as tracer:
+            with tracer.invoke([40, 72, 101]):
+                heads = distgrad.save([])
+                for _ in tracer.all():
+                    heads.append(model.lm_head.output[:, -1])
+                after = distgrad.save("reached")  # noqa: F841 - not reached
+            with tracer.invoke([99, 12]):
+                ids = tracer.result.save()
+    batch = torch.tensor([[40, 72, 101], [0, 99, 12]])
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    expected = gpt2.generate(batch, attention_mask=mask, pad_token_id=0, **GREEDY)
+    assert torch.equal(ids, expected[1:])
+    _, plain = _plain_steps(gpt2, torch.tensor([[40, 72, 101]]))
+    assert len(heads) == len(plain) == GREEDY["max_new_tokens"]
+    for got, want in zip(heads, plain):
+        _close(got, want[:, -1])
+    with pytest.raises(NameError):
+        after  # noqa: B018

@@ -211,3 +211,22 @@ def test_loops_over_steps_leave_no_cycles(gpt2, ending):
     with pytest.warns(UserWarning) if ending == "outrun" else contextlib.nullcontext():
         found = cyclic_garbage(step)
     assert not found, describe(kinds(found))
+
+
+def test_saves_of_containers_leave_no_cycles(gpt2, tokenizer):
+    """``.save()`` on the tuples and ``ModelOutput`` envoys hand a body (``saveable.py``), in a
+    trace and in invokes."""
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+
+    def step():
+        with model.trace(TEXT):
+            model.transformer.h[1].inputs.save()
+            model.output.save()
+        with model.trace() as tracer:
+            with tracer.invoke(TEXT):
+                model.output.save()
+            with tracer.invoke("Hi"):
+                model.transformer.h[0].inputs.save()
+
+    found = cyclic_garbage(step)
+    assert not found, describe(kinds(found))

@@ -262,3 +262,26 @@ def test_an_invokes_loop_that_outruns_generation_ends_only_that_body(gpt2, token
         _close(got, want[:, -1])
     with pytest.raises(NameError):
         after  # noqa: B018
+
+
+def test_edits_in_a_loop_over_steps_equal_those_by_call(gpt2):
+    """The steering recipe (``examples/generate.py``) in nnsight's spelling: an edit of block
+    0 at each step of a ``tracer.iter`` loop gives the ids of the same edits by ``.call(i)``,
+    which differ from unsteered generate."""
+    new = 4
+    greedy = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
+    prompt = torch.randint(2, 384, (2, 6), generator=torch.Generator().manual_seed(0))
+    steering = torch.randn(new, 64, generator=torch.Generator().manual_seed(1)) * 0.1
+    model = distgrad.wrap(gpt2)
+    with model.generate(prompt, **greedy) as tracer:
+        for step in range(new):
+            block = model.transformer.h[0].call(step)
+            block.output = block.output + steering[step]
+        by_call = tracer.result.save()
+    with model.generate(prompt, **greedy) as tracer:
+        for step in tracer.iter[:new]:
+            block = model.transformer.h[0]
+            block.output = block.output + steering[step]
+        by_loop = tracer.result.save()
+    assert torch.equal(by_loop, by_call)
+    assert not torch.equal(by_loop, gpt2.generate(prompt, **greedy))

@@ -285,3 +285,37 @@ def test_edits_in_a_loop_over_steps_equal_those_by_call(gpt2):
         by_loop = tracer.result.save()
     assert torch.equal(by_loop, by_call)
     assert not torch.equal(by_loop, gpt2.generate(prompt, **greedy))
+
+
+def test_steps_under_a_wrapper_that_is_not_the_model(tmp_path):
+    """Under DDP (one gloo rank) generate() calls the model inside the wrapper: the loop's
+    steps are that model's calls, and the same check raises for a module named after it ran
+    in the step."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distgrad.demo.models import build_gpt2
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        net = build_gpt2()
+        model = distgrad.wrap(DistributedDataParallel(net))
+        blocks, heads = _plain_steps(net)
+        with model.generate(IDS, **GREEDY) as tracer:
+            got = distgrad.save([])
+            for _ in tracer.iter[1:3]:
+                got.append(model.transformer.h[0].output)
+                got.append(model.lm_head.output)
+        assert len(got) == 4
+        for value, expected in zip(got, [blocks[1], heads[1], blocks[2], heads[2]]):
+            _close(value, expected)
+        with pytest.raises(distgrad.OutOfOrderError, match="served in step 2"):
+            with model.generate(IDS, **GREEDY) as tracer:
+                model.lm_head.output  # noqa: B018 - step 0, after block 0 has run
+                for _ in tracer.iter[1:2]:
+                    model.transformer.h[0].output  # noqa: B018
+    finally:
+        if dist.is_initialized():  # (an error under an engine may have ended the group)
+            dist.destroy_process_group()

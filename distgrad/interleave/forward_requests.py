@@ -101,12 +101,9 @@ class ForwardRequests(Requests):
         model = self.engine.model
         if self.trace.method != "generate" or module is model or self.forward is None:
             return None
-        # the model's output point counts its calls if it was there before the run started:
-        # the one every first request sets on the engine's root, when the root is the model
+        # the model's output point, set by the first request before the run started (_new_point)
         point = self.forward.points.get((id(model), "output"))
-        if point is None or self.engine.root is not model:
-            return None
-        return point.calls
+        return None if point is None else point.calls
 
     def name_for_steps(self, envoy, kind: str) -> None:
         """In a ``generate`` trace, a module a ``tracer.iter`` loop names first counts its calls
@@ -114,7 +111,7 @@ class ForwardRequests(Requests):
         ended (one call a step; if the module already ran in the step under way, the check of
         ``steps.at_step`` finds its calls one step late and raises)."""
         model = self.engine.model
-        if self.trace.method != "generate" or self.engine.root is not model:
+        if self.trace.method != "generate":
             return
         session = self.forward or self.forward_session()
         module = envoy._module
@@ -186,6 +183,10 @@ class ForwardRequests(Requests):
         watched = session.outputs_watched
         if not watched:
             session.module_point(self.engine.root, "model", "output")
+            if self.trace.method == "generate":
+                # generate() calls the model, not a wrapper around it (DDP's): the model's
+                # calls are the steps a tracer.iter loop counts (steps.py)
+                session.module_point(self.engine.model, "model", "output")
         outer = envoy._parent
         # by path, not module: a module reachable along two paths has two sets of ancestors
         while outer is not None and outer._path not in watched:

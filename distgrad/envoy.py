@@ -16,6 +16,7 @@ import torch
 
 from .errors import ModuleIndexError, TraceStateError, TraceUsageError
 from .interleave.session import UNSET, current_body
+from .saveable import held, held_inputs
 from .torch_internals import submodules
 from .wrappers import module_path
 
@@ -107,6 +108,12 @@ class Envoy:
         names = list(submodules(module)) + [n for n, _ in module.named_parameters(recurse=False)]
         near = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(f'{self._path}.{n}' for n in near)}?" if near else ""
+        if name in _STEP_NAMES:
+            hint = (
+                f" To read a module at each step of a run, loop over the steps: `for step in "
+                f"tracer.iter[...]:` (or tracer.all()), or name its i-th call: "
+                f"{self._path}.call(i)."
+            )
         listing = ", ".join(list(submodules(module))[:12]) or "none"
         raise AttributeError(
             f"{self._path} ({type(module).__name__}) has no submodule or "
@@ -239,8 +246,7 @@ class Envoy:
         value = pause.replacement
         if value is UNSET:
             value = pause.view
-        body.remember(value, self._path, ".output")
-        return value
+        return body.remember(value, self._path, ".output", pause, held)  # (saveable.py)
 
     @output.setter
     def output(self, value):
@@ -252,7 +258,7 @@ class Envoy:
     def inputs(self):
         """``(args, kwargs)`` of the call."""
         _, pause = self._pause("input")
-        return pause.replacement if pause.replacement is not UNSET else pause.view
+        return held_inputs(pause.replacement if pause.replacement is not UNSET else pause.view)
 
     @inputs.setter
     def inputs(self, value):
@@ -268,8 +274,7 @@ class Envoy:
         body, pause = self._pause("input")
         args, kwargs = pause.replacement if pause.replacement is not UNSET else pause.view
         value = _first(args, kwargs, self._path)
-        body.remember(value, self._path, ".input")
-        return value
+        return body.remember(value, self._path, ".input", None, held)  # (saveable.py)
 
     @input.setter
     def input(self, value):
@@ -309,6 +314,9 @@ def _first(args, kwargs, path):
         return next(iter(kwargs.values()))
     raise TraceStateError(f"{path}.input: this call has no arguments.")
 
+
+# nnsight's spellings of steps on a module (``model.next()``, ``model.all()``, ``model.iter``)
+_STEP_NAMES = frozenset({"next", "all", "iter"})
 
 # nn.Module's methods that return the module itself (other methods are returned unchanged)
 _RETURN_THE_MODULE = frozenset(

@@ -21,6 +21,12 @@ class OutOfOrderError(RuntimeError):
     """
 
 
+class StepsEnded(OutOfOrderError):
+    """A ``tracer.iter[...]`` / ``tracer.all()`` loop asked for a step the run did not make.
+    distgrad ends the body there with a warning (``steps.py``), as nnsight does; the values saved
+    in the steps made are kept."""
+
+
 class NotSavedError(NameError):
     """A name bound inside an invoke body was used after the trace without having been saved."""
 

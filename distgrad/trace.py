@@ -9,19 +9,21 @@ the run.
 from __future__ import annotations
 
 import sys
+import warnings
 
 import greenlet
 import torch
 
 from . import capture, engines, patches, wrappers
 from .envoy import Envoy
-from .errors import TraceStateError, TraceUsageError, drop_context, forget_frames
+from .errors import StepsEnded, TraceStateError, TraceUsageError, drop_context, forget_frames
 from .interleave import batching
 from .interleave.forward_requests import ForwardRequests
 from .interleave.invoke import Invoke, Invokes
 from .interleave.requests import Requests
 from .interleave.session import BODIES, Body, current_body
 from .interleave.step import StepRequests
+from .steps import Steps
 
 _NO_TOKENIZER = (
     "model.tokenizer: this model was wrapped without one, and its module has none. Pass it "
@@ -178,7 +180,11 @@ class Trace:
 
     def __exit__(self, exc_type, exc, tb):
         skipped = exc_type is capture.SkipBody and self.frame is not None
-        if skipped:
+        ended = exc_type is StepsEnded  # a tracer.iter loop outran the run: the body ends here
+        if ended:
+            warnings.warn(str(exc), stacklevel=2)
+            exc = None
+        elif skipped:
             capture.resume_tracing(exc)
             skip, exc = exc, None  # the body was lifted out, to run per microbatch
         elif exc is not None:
@@ -198,6 +204,9 @@ class Trace:
                 wrappers.EAGER.leave(self.eager)
                 self.requests.close()
                 BODIES.pop(self._glet, None)
+                # the objects given .save() are of their own class again before the engine
+                # gathers the saves (a gather may rebuild one from its class)
+                self.body.release_held()
                 try:
                     instead = self.engine.end_trace(self.body.saves, error)
                 finally:
@@ -208,7 +217,7 @@ class Trace:
                 # This frame joins the traceback of whatever leaves it; locals that hold that
                 # exception would make a cycle through it.
                 error = exc = skip = tb = None  # noqa: F841
-        return skipped
+        return skipped or ended
 
     def _release(self) -> None:
         """Let go of everything the trace ran with. The body, the requests, the invokes and
@@ -263,12 +272,31 @@ class Trace:
         return Invoke(self, args, kwargs)
 
     @property
+    def iter(self) -> Steps:
+        """nnsight's loop over the steps of the run: ``for step in tracer.iter[1:3]:`` reads
+        each module's value at those steps (``steps.py``; docs/nnsight.rst)."""
+        return Steps()
+
+    def all(self) -> Steps:
+        """Every step: ``tracer.iter[:]``."""
+        return Steps()[:]
+
+    def next(self, *args, **kwargs):
+        raise AttributeError(
+            "tracer.next(): nnsight 0.8.1 has no next() either; loop over the steps with "
+            "`for step in tracer.iter[...]:` (or tracer.all()), or name a module's i-th call "
+            "with model.<module>.call(i)."
+        )
+
+    @property
     def result(self):
         """In ``with model.generate(...) as tracer:``, what ``generate()`` returned (the
         generated ids). Reading it runs generation to its end, so read module values before
         it; ``.save()`` it to keep it after the block (``ids = tracer.result.save()``)."""
         body = current_body()
-        if body is None or self.requests is None or body.requests is not self.requests:
+        requests = body.requests if body is not None else None
+        requests = getattr(requests, "inner", requests)  # (in a tracer.iter loop: steps.py)
+        if requests is None or self.requests is None or requests is not self.requests:
             raise TraceStateError(
                 "tracer.result was read outside the body of its trace: it is served inside "
                 "`with model.generate(...) as tracer:`, once generate() has returned. Save it "

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -54,8 +57,8 @@ def _gpt2():
     return build_gpt2()
 
 
-@pytest.fixture(scope="session")
-def _llama():
+def build_test_llama():
+    """The one-process suites' tiny Llama (seed 1)."""
     torch.manual_seed(1)
     cfg = LlamaConfig(
         hidden_size=64,
@@ -69,6 +72,11 @@ def _llama():
 
 
 @pytest.fixture(scope="session")
+def _llama():
+    return build_test_llama()
+
+
+@pytest.fixture(scope="session")
 def _mlp():
     torch.manual_seed(2)
     return torch.nn.Sequential(
@@ -78,6 +86,38 @@ def _mlp():
         torch.nn.Tanh(),
         torch.nn.Linear(16, 4),
     )
+
+
+def prompts(tokenizer, texts) -> dict:
+    """Texts as a decoder's batch of prompts, laid out as nnsight's ``LanguageModel`` lays them
+    (and distgrad, for a model that generates): padded on the left, each row's
+    ``position_ids`` counted from its first token."""
+    enc = dict(tokenizer(texts, return_tensors="pt", padding=True, padding_side="left"))
+    enc["position_ids"] = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return enc
+
+
+NETS = {"gpt2": build_gpt2, "llama": build_test_llama}  # the fixtures' models, by name
+
+
+def run_in_nnsight(module: str) -> dict:
+    """What ``module``'s ``nnsight_numbers(nnsight)`` returns: nnsight 0.8.1 running the test
+    module's programs in a fresh process (``nnsight_job.py``), since importing nnsight mounts
+    its ``save`` on every object and patches ``torch.Tensor`` for the rest of the process."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(here.parent), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "numbers.pt"
+        proc = subprocess.run(
+            [sys.executable, str(here / "nnsight_job.py"), module, str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return torch.load(out, weights_only=True)
 
 
 def _fresh(net):

@@ -13,8 +13,8 @@ nnsight features distgrad does not offer, whose tests are not ported:
 - ``tracer.stop()``: ending the forward early from the body.
 - ``.skip(value)``: replacing a module's call without running it.
 - ``.source``: values inside a module's forward (operations of its source).
-- ``.next()``, ``.all()``, ``tracer.iter[...]``: looping a body over generation steps
-  (``.call(i)`` names a module's i-th call instead).
+- ``model.iter`` and ``model.all()``: nnsight's deprecated spellings of ``tracer.iter`` and
+  ``tracer.all()``, which distgrad serves (``test_from_nnsight_steps.py``).
 - ``model.scan(...)``: shapes from a fake-tensor run.
 - ``tracer.cache(...)``: recording every module's values.
 - ``tracer.barrier(n)``: ordering invoke bodies against each other.
@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+from conftest import prompts
 from torch import nn
 
 ATOL = 1e-6
@@ -71,7 +72,9 @@ def mlp_fc1_grad(net: MLP, x: torch.Tensor) -> torch.Tensor:
 
 
 def encode(tokenizer, text) -> dict:
-    return dict(tokenizer(text, return_tensors="pt", padding=True))
+    """Text as the GPT-2 of the ports runs it: prompts of different lengths padded on the left,
+    with their own positions (``conftest.prompts``, nnsight's ``LanguageModel`` layout)."""
+    return prompts(tokenizer, text)
 
 
 def hooked_run(net: nn.Module, inputs, modules: dict, edits: dict | None = None):

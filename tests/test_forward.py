@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import ATOL, TEXT
+from conftest import ATOL, TEXT, prompts
 
 import distgrad
 
@@ -170,7 +170,8 @@ def test_enclosing_outputs_of_a_module_shared_by_two_parents():
 
 def test_text_list_dict_and_tensor_inputs(gpt2, tokenizer):
     model = distgrad.wrap(gpt2, tokenizer=tokenizer)
-    enc = _enc(tokenizer, ["ab", "abcd"])
+    # texts of different lengths: a batch of prompts, padded on the left at their own positions
+    enc = prompts(tokenizer, ["ab", "abcd"])
     results = []
     for inputs in (["ab", "abcd"], enc, enc["input_ids"]):
         with model.trace(inputs):

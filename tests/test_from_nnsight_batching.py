@@ -33,11 +33,10 @@ def test_batched_matches_solo_logits(gpt2, tokenizer, model):
             b1 = model.output.logits.save()
         with tracer.invoke(P2):
             b2 = model.output.logits.save()
-    # deliberate difference: invokes are padded on the tokenizer's padding_side (ByT5: right),
-    # so a shorter prompt's own tokens sit at its first positions, not at the end
+    # as in nnsight, the shorter prompt is padded on the left, its tokens at their own positions
     solo1, solo2 = logits_of(gpt2, tokenizer, P1), logits_of(gpt2, tokenizer, P2)
     assert b1.shape[1] == b2.shape[1] == solo2.shape[1]
-    assert_close(b1[:, : solo1.shape[1]], solo1, atol=1e-5)
+    assert_close(b1[:, -solo1.shape[1] :], solo1, atol=1e-5)
     assert_close(b2, solo2, atol=1e-5)
 
 
@@ -245,8 +244,9 @@ def test_batched_positions_match_single_prompt(gpt2, tokenizer, model):
     with model.trace([short, long]):
         batched = model.lm_head.output.save()
     alone = logits_of(gpt2, tokenizer, short)
-    # right padding: the short prompt's last token is at its own length
-    assert batched[0, alone.shape[1] - 1].argmax() == alone[0, -1].argmax()
+    # as in nnsight: padded on the left, each prompt's tokens at their own positions
+    assert batched[0, -1].argmax() == alone[0, -1].argmax()
+    assert_close(batched[:1, -alone.shape[1] :], alone, atol=1e-5)
     assert batched[1, -1].argmax() == logits_of(gpt2, tokenizer, long)[0, -1].argmax()
 
 
@@ -284,7 +284,7 @@ def test_ragged_token_id_invokes(gpt2, tokenizer, model):
             a = model.lm_head.output.save()
         with tracer.invoke(ids_b):
             b = model.lm_head.output.save()
-    assert_close(a[:, : ids_a.shape[1]], logits_of(gpt2, tokenizer, ET), atol=1e-5)
+    assert_close(a[:, -ids_a.shape[1] :], logits_of(gpt2, tokenizer, ET), atol=1e-5)
     assert_close(b, logits_of(gpt2, tokenizer, MSG), atol=1e-5)
 
 

@@ -50,7 +50,7 @@ def test_mixed_formats_batch_together(gpt2, tokenizer, model):
         (d[1:], "d e"),
     ):
         expected = solo(gpt2, tokenizer, text)
-        assert_close(rows[:, : expected.shape[1]], expected, atol=1e-5)
+        assert_close(rows[:, -expected.shape[1] :], expected, atol=1e-5)
 
 
 def test_mixed_formats_with_an_edit(gpt2, tokenizer, model):
@@ -67,8 +67,10 @@ def test_mixed_formats_with_an_edit(gpt2, tokenizer, model):
             whole = model.lm_head.output.save()
     h0 = gpt2.transformer.h[0]
     _, edited = hooked_run(gpt2, encode(tokenizer, ET), {"h": h0}, {"h": lambda out: out * 0})
-    assert_close(a[:, : solo(gpt2, tokenizer, MSG).shape[1]], solo(gpt2, tokenizer, MSG), atol=1e-5)
-    assert_close(b[:, : edited.logits.shape[1]], edited.logits, atol=1e-5)
+    assert_close(
+        a[:, -solo(gpt2, tokenizer, MSG).shape[1] :], solo(gpt2, tokenizer, MSG), atol=1e-5
+    )
+    assert_close(b[:, -edited.logits.shape[1] :], edited.logits, atol=1e-5)
     assert torch.equal(whole, torch.cat([a, b]))
 
 
@@ -112,7 +114,7 @@ def test_invoke_opened_in_helper(gpt2, tokenizer, model):
     for key, text in (("a", ET), ("b", MSG)):
         expected = solo(gpt2, tokenizer, text, h0)
         assert outs[key].shape[0] == 1
-        assert_close(outs[key][:, : expected.shape[1]], expected, atol=1e-5)
+        assert_close(outs[key][:, -expected.shape[1] :], expected, atol=1e-5)
 
 
 def test_helper_called_inside_invoke_sees_its_rows(gpt2, tokenizer, model):

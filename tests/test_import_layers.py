@@ -93,7 +93,10 @@ CORE_LAYERS = (
         ),
     ),
     ("the protocol", lambda m: m.split(".")[0] == "interleave"),
-    ("what a body touches", lambda m: m in {"envoy", "backward", "gradpatch", "saving"}),
+    (
+        "what a body touches",
+        lambda m: m in {"envoy", "backward", "gradpatch", "saving", "saveable", "steps"},
+    ),
     ("engines", lambda m: m.split(".")[0] == "engines"),
     ("the trace", lambda m: m == "trace"),
     ("the package", lambda m: m == "__init__"),

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import ATOL
+from conftest import ATOL, prompts
 
 import distgrad
 
@@ -13,7 +13,7 @@ TEXTS = ["Hello world", "Paris is", "Rome isnt"]
 
 
 def _batch_reference(net, tokenizer, edit_rows=None, grad_edit_rows=None):
-    enc = dict(tokenizer(TEXTS, return_tensors="pt", padding=True))
+    enc = prompts(tokenizer, TEXTS)
     seen = {}
 
     def on_output(mod, args, out):
@@ -179,7 +179,7 @@ def test_a_debuggers_trace_function_keeps_running_after_an_invoke(mlp):
 
 def _retained_reference(net, tokenizer):
     """Plain autograd: retain_grad() on the whole batch's h[-1] output, logits.sum() backward."""
-    enc = dict(tokenizer(TEXTS, return_tensors="pt", padding=True))
+    enc = prompts(tokenizer, TEXTS)
     seen = {}
 
     def on_output(mod, args, out):
@@ -264,7 +264,7 @@ def test_retain_graph_on_some_blocks_only(gpt2, tokenizer):
 def _rounds_reference(net, tokenizer):
     """Plain autograd over the batch's one graph: invoke 0's two losses and invoke 1's one,
     each its own backward (retain_graph=True), invoke 0's first gradient at h[0] times 10."""
-    enc = dict(tokenizer(TEXTS, return_tensors="pt", padding=True))
+    enc = prompts(tokenizer, TEXTS)
     seen = {}
     handles = [
         net.transformer.h[i].register_forward_hook(

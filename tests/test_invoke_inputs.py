@@ -5,7 +5,7 @@ same weights (fp32, atol 1e-6 for values, 1e-5 for parameter gradients)."""
 
 import pytest
 import torch
-from conftest import ATOL, param_grads
+from conftest import ATOL, param_grads, prompts
 
 import distgrad
 from distgrad.demo.models import build_tokenizer
@@ -61,7 +61,7 @@ def test_an_empty_invoke_sees_the_batch_as_the_invokes_before_it_left_it(gpt2, t
         with tr.invoke():
             after = model.transformer.h[0].output.clone().save()
             logits = model.output.logits.save()
-    enc = dict(tokenizer(TEXTS, return_tensors="pt", padding=True))
+    enc = prompts(tokenizer, TEXTS)
     plain, _, _, _ = _plain(gpt2, enc)
 
     def edit(out):
@@ -92,7 +92,7 @@ def test_an_empty_invokes_backward_reads_the_whole_batch(gpt2, tokenizer, backwa
                 g = h.grad.save()
     got = param_grads(gpt2)
     gpt2.zero_grad(set_to_none=True)
-    out, _, grad, ref = _plain(gpt2, dict(tokenizer(TEXTS, return_tensors="pt", padding=True)))
+    out, _, grad, ref = _plain(gpt2, prompts(tokenizer, TEXTS))
     _close(a, out[:1])
     _close(b, out[1:])
     _close(g, grad)
@@ -131,7 +131,7 @@ def test_an_empty_invoke_reads_the_gradient_an_invoke_before_it_edited(
 
     handle = gpt2.transformer.h[0].register_forward_hook(on_output)
     try:
-        logits = gpt2(**tokenizer(TEXTS, return_tensors="pt", padding=True)).logits
+        logits = gpt2(**prompts(tokenizer, TEXTS)).logits
     finally:
         handle.remove()
     (logits[:1].sum() + logits.sum()).backward()
@@ -156,7 +156,7 @@ def test_empty_invokes_in_a_trace_with_inputs_share_its_batch(gpt2, tokenizer):
         out[:, -1] = 0
         return out
 
-    enc = dict(tokenizer(TEXTS, return_tensors="pt", padding=True))
+    enc = prompts(tokenizer, TEXTS)
     ref_h, ref_logits, _, _ = _plain(gpt2, enc, edit)
     _close(h, ref_h)
     _close(logits, ref_logits)
@@ -179,17 +179,24 @@ ROWS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
 
 
 def _padded(rows, pad=0, left=False):
+    """Rows padded to one length; on the left with each row's positions counted from its
+    first token (nnsight's ``LanguageModel`` layout)."""
     width = max(map(len, rows))
     ids, mask = [], []
     for r in rows:
         fill = [pad] * (width - len(r))
         ids.append(fill + r if left else r + fill)
         mask.append([0] * len(fill) + [1] * len(r) if left else [1] * len(r) + [0] * len(fill))
-    return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+    batch = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+    if left:
+        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return batch
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_token_ids_of_different_lengths_are_padded(gpt2, side, backward_mode):
+    """A model that generates has its invokes padded on the left whatever the tokenizer's
+    ``padding_side`` (as nnsight's ``LanguageModel`` sets it), each row at its own positions."""
     tokenizer = build_tokenizer()  # its own: the shared fixture keeps its padding side
     tokenizer.padding_side = side
     model = distgrad.wrap(gpt2, tokenizer=tokenizer)
@@ -207,8 +214,9 @@ def test_token_ids_of_different_lengths_are_padded(gpt2, side, backward_mode):
             lc = model.output.logits.save()
             with lc.sum().backward():
                 gc = c.grad.save()
+    assert tokenizer.padding_side == side  # the tokenizer is left as it was
     got = param_grads(gpt2)
-    batch = _padded(ROWS, left=side == "left")
+    batch = _padded(ROWS, left=True)
     out, logits, grad, ref = _plain(gpt2, batch)
     for got_h, rows in ((a, slice(0, 1)), (b, slice(1, 2)), (c, slice(2, 3))):
         assert got_h.shape == (1, 5, 64)  # the padded rows, as the model ran them
@@ -223,8 +231,33 @@ def test_token_ids_of_different_lengths_are_padded(gpt2, side, backward_mode):
         first.inputs[1]["input_ids"], batch["input_ids"][:1]
     )
     assert torch.equal(first.inputs[1]["attention_mask"], batch["attention_mask"][:1])
+    assert torch.equal(first.inputs[1]["position_ids"], batch["position_ids"][:1])
     assert torch.equal(third.inputs[1]["input_ids"], batch["input_ids"][2:])
     assert first.args == (ROWS[0],) and third.kwargs == {"input_ids": [ROWS[2]]}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_model_that_does_not_generate_is_padded_on_the_tokenizers_side(gpt2, side):
+    """GPT-2's body alone (``GPT2Model`` cannot generate): its invokes are padded where the
+    tokenizer pads; rows padded on the left still count their positions from their first
+    token."""
+    tokenizer = build_tokenizer()
+    tokenizer.padding_side = side
+    model = distgrad.wrap(gpt2.transformer, tokenizer=tokenizer)
+    with model.trace() as tr:
+        with tr.invoke(ROWS[0]):
+            a = model.h[0].output.save()
+        with tr.invoke(ROWS[1]):
+            b = model.h[0].output.save()
+    batch = _padded(ROWS[:2], left=side == "left")
+    seen = []
+    handle = gpt2.transformer.h[0].register_forward_hook(lambda m, args, out: seen.append(out))
+    try:
+        with torch.no_grad():
+            gpt2.transformer(**batch)
+    finally:
+        handle.remove()
+    _close(torch.cat([a, b]), seen[0])
 
 
 def test_text_and_token_ids_in_one_batch(gpt2, tokenizer):
@@ -236,8 +269,11 @@ def test_text_and_token_ids_in_one_batch(gpt2, tokenizer):
             a = model.output.logits.save()
         with tr.invoke(torch.tensor([ROWS[0]]), attention_mask=masked):
             b = model.output.logits.save()
-    batch = _padded([text_ids, ROWS[0]])
-    batch["attention_mask"][1, :3] = masked[0]
+    batch = _padded([text_ids, ROWS[0]], left=True)
+    batch["attention_mask"][1, -3:] = masked[0]
+    # a mask with a gap is not left padding: that row keeps the positions the model counts,
+    # and the other is not padded, so none are passed (as nnsight's LanguageModel does)
+    del batch["position_ids"]
     _, logits, _, _ = _plain(gpt2, batch)
     _close(a, logits[:1])
     _close(b, logits[1:])
@@ -304,7 +340,7 @@ def test_trace_options_pass_to_the_call(gpt2, tokenizer):
             output = distgrad.save(model.output)
         with tr.invoke(TEXTS[1:]):
             pass
-    _, logits, _, _ = _plain(gpt2, dict(tokenizer(TEXTS, return_tensors="pt", padding=True)))
+    _, logits, _, _ = _plain(gpt2, prompts(tokenizer, TEXTS))
     assert isinstance(output, tuple)  # the option reached the call
     _close(output[0], logits[:1])
     with pytest.raises(ValueError, match="return_dict= is passed"):
@@ -329,10 +365,11 @@ def test_invoker_inputs_are_its_rows_of_the_tokenized_batch(gpt2, tokenizer):
             second.inputs  # noqa: B018 - between the invoke blocks: not joined yet
         with tr.invoke() as whole:
             pass
-    enc = tokenizer(TEXTS, return_tensors="pt", padding=True)
-    assert first.inputs[0] == () and first.inputs[1].keys() == {"input_ids", "attention_mask"}
+    enc = prompts(tokenizer, TEXTS)
+    keys = {"input_ids", "attention_mask", "position_ids"}
+    assert first.inputs[0] == () and first.inputs[1].keys() == keys
     assert torch.equal(ids, enc["input_ids"][:1])
-    for key in ("input_ids", "attention_mask"):
+    for key in keys:
         assert torch.equal(second.inputs[1][key], enc[key][1:])
         assert torch.equal(whole.inputs[1][key], enc[key])
     assert second.args == (TEXTS[1:],) and whole.args == () and whole.kwargs == {}

@@ -8,6 +8,7 @@ in every body mode, after errors in the body, and with invokes; ``tests/dist/job
 (``case_no_cycles``) checks the same under DDP.
 """
 
+import contextlib
 import gc
 import threading
 import weakref
@@ -187,3 +188,45 @@ def test_a_weak_reference_to_the_model_dies_with_it(where):
     thread.start()
     thread.join()
     assert alive == []
+
+
+@pytest.mark.parametrize("ending", ["bounded", "outrun", "error"])
+def test_loops_over_steps_leave_no_cycles(gpt2, ending):
+    """``tracer.iter`` loops in generate: ended by their bound, by generation ending (the body
+    cut short with a warning), and by an error in the loop's body."""
+    model = distgrad.wrap(gpt2)
+    ids = torch.tensor([[40, 72, 101]])
+
+    def step():
+        try:
+            with model.generate(ids, max_new_tokens=2, do_sample=False) as tracer:
+                heads = distgrad.save([])
+                for i in tracer.iter[:2] if ending == "bounded" else tracer.all():
+                    heads.append(model.lm_head.output)
+                    if ending == "error" and i == 1:
+                        raise KeyError("the user's own error")
+        except KeyError:
+            pass
+
+    with pytest.warns(UserWarning) if ending == "outrun" else contextlib.nullcontext():
+        found = cyclic_garbage(step)
+    assert not found, describe(kinds(found))
+
+
+def test_saves_of_containers_leave_no_cycles(gpt2, tokenizer):
+    """``.save()`` on the tuples and ``ModelOutput`` envoys hand a body (``saveable.py``), in a
+    trace and in invokes."""
+    model = distgrad.wrap(gpt2, tokenizer=tokenizer)
+
+    def step():
+        with model.trace(TEXT):
+            model.transformer.h[1].inputs.save()
+            model.output.save()
+        with model.trace() as tracer:
+            with tracer.invoke(TEXT):
+                model.output.save()
+            with tracer.invoke("Hi"):
+                model.transformer.h[0].inputs.save()
+
+    found = cyclic_garbage(step)
+    assert not found, describe(kinds(found))

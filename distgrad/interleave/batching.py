@@ -23,8 +23,13 @@ def _is_text(x) -> bool:
     )
 
 
-def prepare(args: tuple, kwargs: dict, tokenizer) -> tuple[tuple, dict]:
-    """Tokenize a leading str / list[str]; pass tensors and dicts through."""
+def prepare(
+    args: tuple, kwargs: dict, tokenizer, module, positions: bool = True
+) -> tuple[tuple, dict]:
+    """Tokenize a leading str / list[str]; pass tensors and dicts through. Texts of different
+    lengths are padded as ``token_ids`` lays rows out for ``module`` (a ``padding_side=``
+    keyword beside them wins), with their ``position_ids`` unless ``positions`` is false (an
+    invoke's rows, padded again with the others before positions are counted)."""
     if args and _is_text(args[0]):
         if tokenizer is None:
             raise TypeError(
@@ -33,11 +38,32 @@ def prepare(args: tuple, kwargs: dict, tokenizer) -> tuple[tuple, dict]:
             )
         texts = [args[0]] if isinstance(args[0], str) else list(args[0])
         options, kwargs = tokenizer_options(tokenizer, kwargs)
-        encoded = tokenizer(texts, **{"return_tensors": "pt", "padding": True, **options})
-        return args[1:], {**dict(encoded), **kwargs}
+        side = "left" if token_ids.pads_left(module, tokenizer) else "right"
+        options = {"return_tensors": "pt", "padding": True, "padding_side": side, **options}
+        encoded = _tokenize(tokenizer, texts, options)
+        if positions and options.get("padding_side") == "left":
+            encoded = token_ids.with_positions((), encoded, module)
+        return args[1:], {**encoded, **kwargs}
     if args and isinstance(args[0], Mapping) and not kwargs and len(args) == 1:
         return (), dict(args[0])  # a BatchEncoding or a dict of model inputs
     return tuple(args), dict(kwargs)
+
+
+def _tokenize(tokenizer, texts: list, options: dict) -> dict:
+    """``tokenizer(texts, **options)``; a tokenizer whose call takes no ``padding_side`` pads
+    on its ``padding_side`` attribute, set for this call only."""
+    if "padding_side" in _call_parameters(type(tokenizer)):
+        return dict(tokenizer(texts, **options))
+    options = dict(options)
+    side = options.pop("padding_side")
+    own = getattr(tokenizer, "padding_side", None)
+    if own is None:
+        return dict(tokenizer(texts, **options))
+    tokenizer.padding_side = side
+    try:
+        return dict(tokenizer(texts, **options))
+    finally:
+        tokenizer.padding_side = own
 
 
 def tokenizer_options(tokenizer, kwargs: dict) -> tuple[dict, dict]:
@@ -98,11 +124,12 @@ def call_options(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if not is_input(k, v)}
 
 
-def join(inputs: list[tuple[tuple, dict]], tokenizer) -> tuple[tuple, dict, list[slice]]:
+def join(inputs: list[tuple[tuple, dict]], tokenizer, module) -> tuple[tuple, dict, list[slice]]:
     """One batch from several invokes' raw inputs; returns the rows each invoke owns.
 
     Text is tokenized together; token ids of different lengths are padded
-    (``token_ids.pad_invokes``); anything else must already have one shape."""
+    (``token_ids.pad_invokes``), both laid out for ``module`` as ``token_ids`` says; anything
+    else must already have one shape."""
     if all(a and _is_text(a[0]) for a, _ in inputs):
         texts, rows = [], []
         for a, _ in inputs:
@@ -110,9 +137,11 @@ def join(inputs: list[tuple[tuple, dict]], tokenizer) -> tuple[tuple, dict, list
             rows.append(slice(len(texts), len(texts) + len(part)))
             texts.extend(part)
         kwargs = _same_options([k for _, k in inputs])
-        args, kwargs = prepare((texts,), kwargs, tokenizer)
+        args, kwargs = prepare((texts,), kwargs, tokenizer, module)
         return args, kwargs, rows
-    prepared = token_ids.pad_invokes([prepare(a, k, tokenizer) for a, k in inputs], tokenizer)
+    left = token_ids.pads_left(module, tokenizer)
+    prepared = [prepare(a, k, tokenizer, module, positions=False) for a, k in inputs]
+    prepared = token_ids.pad_invokes(prepared, tokenizer, left)
     rows, start = [], 0
     for i, (a, k) in enumerate(prepared):
         try:
@@ -143,6 +172,8 @@ def join(inputs: list[tuple[tuple, dict]], tokenizer) -> tuple[tuple, dict, list
         _cat([p[0][i] for p in prepared], f"argument {i}") for i in range(len(prepared[0][0]))
     )
     kwargs = {key: _cat([p[1][key] for p in prepared], f"keyword {key!r}") for key in keys[0]}
+    if left:
+        kwargs = token_ids.with_positions(args, kwargs, module)
     return args, kwargs, rows
 
 

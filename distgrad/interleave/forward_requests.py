@@ -42,7 +42,7 @@ class ForwardRequests(Requests):
     def forward_session(self) -> Session:
         if self.forward is None:
             trace = self.trace
-            args, kwargs = batching.prepare(*trace.raw_inputs, trace.tokenizer)
+            args, kwargs = batching.prepare(*trace.raw_inputs, trace.tokenizer, self.engine.model)
             self.forward = self.open_session([trace.body], args, kwargs)
         return self.forward
 
@@ -93,6 +93,32 @@ class ForwardRequests(Requests):
             raise TraceStateError("tracer.result: generate() did not return.")
         body.remember(self.generated, "tracer", ".result")
         return self.generated
+
+    def run_ended(self) -> bool:
+        return self.forward is not None and self.forward.finished
+
+    def steps_made(self, module):
+        model = self.engine.model
+        if self.trace.method != "generate" or module is model or self.forward is None:
+            return None
+        # the model's output point, set by the first request before the run started (_new_point)
+        point = self.forward.points.get((id(model), "output"))
+        return None if point is None else point.calls
+
+    def name_for_steps(self, envoy, kind: str) -> None:
+        """In a ``generate`` trace, a module a ``tracer.iter`` loop names first counts its calls
+        from the start of generation: its point, made now, starts at the steps the model has
+        ended (one call a step; if the module already ran in the step under way, the check of
+        ``steps.at_step`` finds its calls one step late and raises)."""
+        model = self.engine.model
+        if self.trace.method != "generate":
+            return
+        session = self.forward or self.forward_session()
+        module = envoy._module
+        if module is model or (id(module), kind) in session.points:
+            return
+        point = self._new_point(session, envoy, kind)
+        point.calls = session.points[(id(model), "output")].calls
 
     # -- module values --------------------------------------------------------------------
     def module_value(self, body, envoy, kind: str):
@@ -157,6 +183,10 @@ class ForwardRequests(Requests):
         watched = session.outputs_watched
         if not watched:
             session.module_point(self.engine.root, "model", "output")
+            if self.trace.method == "generate":
+                # generate() calls the model, not a wrapper around it (DDP's): the model's
+                # calls are the steps a tracer.iter loop counts (steps.py)
+                session.module_point(self.engine.model, "model", "output")
         outer = envoy._parent
         # by path, not module: a module reachable along two paths has two sets of ancestors
         while outer is not None and outer._path not in watched:

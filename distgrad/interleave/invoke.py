@@ -160,6 +160,7 @@ class Invokes(ForwardRequests):
                 fill_retained_grads(self.slices, self.hooked)
             for body in bodies:
                 body.requests = None
+                body.release_held()
         saved = {id(entry[0]) for body in bodies for entry in body.saves}
         trace.body.saves.extend(v for body in bodies for v in body.saves)
         live = _frames_on_stack()
@@ -179,13 +180,15 @@ class Invokes(ForwardRequests):
         trace = self.trace
         given = [inv for inv in invokes if not inv.empty]
         if given:
-            args, kwargs, rows = batching.join([(i.args, i.kwargs) for i in given], trace.tokenizer)
+            args, kwargs, rows = batching.join(
+                [(i.args, i.kwargs) for i in given], trace.tokenizer, self.engine.model
+            )
             for inv, r in zip(given, rows):
                 inv.rows = r
             inputs = (args, kwargs)
             kwargs = batching.with_call_options(kwargs, batching.call_options(trace.raw_inputs[1]))
         elif trace.has_inputs():
-            args, kwargs = batching.prepare(*trace.raw_inputs, trace.tokenizer)
+            args, kwargs = batching.prepare(*trace.raw_inputs, trace.tokenizer, self.engine.model)
             inputs = (args, {k: v for k, v in kwargs.items() if batching.is_input(k, v)})
         else:
             raise TraceStateError(

@@ -103,6 +103,20 @@ class Requests:
             "read model.output."
         )
 
+    def name_for_steps(self, envoy, kind: str) -> None:
+        """A ``tracer.iter`` loop names ``envoy``'s module (``steps.py``): where steps are
+        counted, let its calls count from the start of the run."""
+        return None
+
+    def run_ended(self) -> bool:
+        """Whether the run the body's module values come from has ended (``steps.py``)."""
+        return False
+
+    def steps_made(self, module):
+        """In a ``generate`` trace, the calls of the model that have ended, so the step the
+        run is in when ``module`` (not the model) is served; None where steps are not counted."""
+        return None
+
     def run_rest(self) -> None:
         return None
 

@@ -46,6 +46,7 @@ class Body:
         self.block = None  # the open BackwardTracer, if any
         self.saves: list = []
         self.labels: dict = {}  # id(tensor) -> (tensor, "model.x.output") for messages
+        self.held: list = []  # (object, its class): objects given .save() (saveable.py)
 
     def label_of(self, tensor) -> str:
         entry = self.labels.get(id(tensor))
@@ -53,12 +54,21 @@ class Body:
             return describe_tensor(tensor)
         return entry[1] + entry[2]
 
-    def remember(self, value, path: str, kind: str) -> None:
-        """Name the tensors in a value handed to the body, for error messages. The label is
-        kept in pieces (``path``, ``".output"``) and joined only when a message needs it."""
+    def release_held(self) -> None:
+        """Give the objects this body held with ``.save()`` their own class back."""
+        held, self.held = self.held, []
+        for value, cls in held:
+            value.__class__ = cls
+
+    def remember(self, value, path: str, kind: str, pause=None, hold=None):
+        """Name the tensors in a value handed to the body, for error messages, and return the
+        value as the body holds it: a value that is not a tensor as ``hold(value, body,
+        pause)`` makes it (``saveable.held``), if given. The label is kept in pieces (``path``,
+        ``".output"``) and joined only when a message needs it."""
         if isinstance(value, torch.Tensor):
             self.labels[id(value)] = (value, path, kind)
-        elif isinstance(value, dict):  # ModelOutput too: model.output.logits
+            return value
+        if isinstance(value, dict):  # ModelOutput too: model.output.logits
             for key, item in value.items():
                 if isinstance(item, torch.Tensor):
                     self.labels[id(item)] = (item, path, f"{kind}.{key}")
@@ -66,6 +76,7 @@ class Body:
             for i, item in enumerate(value):
                 if isinstance(item, torch.Tensor):
                     self.labels[id(item)] = (item, path, f"{kind}[{i}]")
+        return value if hold is None else hold(value, self, pause)
 
 
 class Pause:

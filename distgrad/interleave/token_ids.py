@@ -2,15 +2,24 @@
 
 An invoke may give its ids as a list of ints (one row), a list of lists (rows, which may be of
 different lengths), a 1-D tensor (one row) or a 2-D tensor, positionally or as ``input_ids=``.
-With a tokenizer, rows of different lengths are padded as the tokenizer pads text: with its
-``pad_token_id``, on its ``padding_side``, and the attention mask says which positions are
-padding (an invoke's own ``attention_mask`` is padded with zeros; one is made of ones where an
-invoke gave none). The per-token fields beside the ids are padded with the value the model
-ignores there. A body then sees its rows as padded, as the model ran them.
+With a tokenizer, rows of different lengths are padded with its ``pad_token_id``, on the side
+``pads_left`` chooses, and the attention mask says which positions are padding (an invoke's
+own ``attention_mask`` is padded with zeros; one is made of ones where an invoke gave none).
+The per-token fields beside the ids are padded with the value the model ignores there. A body
+then sees its rows as padded, as the model ran them.
+
+The layout is nnsight's ``LanguageModel``'s, so that a program written for it reads the same
+numbers: a model that generates from a prompt (decoder-only) has its rows padded on the left,
+whatever the tokenizer's ``padding_side``, so that ``[:, -1]`` is every prompt's last token;
+and ``with_positions`` counts each left-padded row's ``position_ids`` from its first token, so
+that each prompt's tokens sit at the positions they have when the prompt runs alone. Other
+models are padded on the tokenizer's ``padding_side``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import numbers
 
 import torch
@@ -68,7 +77,67 @@ def _rows(value) -> list[torch.Tensor]:
     return [torch.tensor(value)]
 
 
-def pad_invokes(prepared: list[tuple[tuple, dict]], tokenizer) -> list[tuple[tuple, dict]]:
+def pads_left(module, tokenizer) -> bool:
+    """Whether the rows distgrad pads for ``module`` go on the left: always for a decoder-only
+    model that generates (as nnsight's ``LanguageModel`` sets its tokenizer), else where the
+    tokenizer pads."""
+    return is_decoder(module) or getattr(tokenizer, "padding_side", "right") == "left"
+
+
+def is_decoder(module) -> bool:
+    """A model that continues a prompt: ``can_generate()`` and not an encoder-decoder."""
+    can_generate = getattr(module, "can_generate", None)
+    config = getattr(module, "config", None)
+    return (
+        callable(can_generate)
+        and bool(can_generate())
+        and not getattr(config, "is_encoder_decoder", False)
+    )
+
+
+def with_positions(args: tuple, kwargs: dict, module) -> dict:
+    """``kwargs`` with ``position_ids`` counted from each left-padded row's first token, where
+    the batch has left-padded rows, gives no positions of its own and ``module`` takes them."""
+    mask = kwargs.get("attention_mask")
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if (
+        "position_ids" in kwargs
+        or not isinstance(mask, torch.Tensor)
+        or not isinstance(ids, torch.Tensor)
+        or mask.dim() != 2
+        or mask.shape != ids.shape[:2]
+        or bool(mask.all())
+        or not _takes_positions(type(module))
+    ):
+        return kwargs
+    positions = _positions(mask)
+    if bool((positions == torch.arange(mask.shape[1], device=mask.device)).all()):
+        return kwargs  # no row is left-padded: the model counts them so itself
+    return {**kwargs, "position_ids": positions}
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """A row that is padding then tokens counts from its first token; any other row (not
+    padded, padded on the right, or masked with a gap) from its first position, as the model
+    would count it."""
+    mask = mask.long()
+    counted = (mask.cumsum(-1) - 1).clamp(min=0)
+    plain = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    left_padded = (mask.diff(dim=-1) >= 0).all(-1, keepdim=True)
+    return torch.where(left_padded, counted, plain)
+
+
+@functools.cache
+def _takes_positions(cls) -> bool:
+    try:
+        return "position_ids" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):  # a forward with no signature to read
+        return False
+
+
+def pad_invokes(
+    prepared: list[tuple[tuple, dict]], tokenizer, left: bool
+) -> list[tuple[tuple, dict]]:
     """The invokes' (args, kwargs) with their token ids made 2-D tensors of one length.
 
     Unchanged where no invoke gives ids. Ids given positionally by some invokes and as
@@ -107,7 +176,6 @@ def pad_invokes(prepared: list[tuple[tuple, dict]], tokenizer) -> list[tuple[tup
         if pad_id is None:
             raise ValueError(_no_pad_message(tokenizer, sorted(lengths)))
     width = max(lengths)
-    left = getattr(tokenizer, "padding_side", "right") == "left"
     out = []
     for args, kwargs, fields, slot in per_invoke:
         if (len(lengths) > 1 or masked) and "attention_mask" not in fields:

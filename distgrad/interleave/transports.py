@@ -31,11 +31,13 @@ pipeline's microbatches), from the same per-thread pool as the runs.
 from __future__ import annotations
 
 import threading
+import warnings
 
 import greenlet
 import torch
 
 from .. import cpp_backtrace
+from ..errors import StepsEnded
 
 
 class Abort(BaseException):
@@ -144,6 +146,9 @@ class BodyRunners:
             got = got.taken()
             del self.todo[id(body)]
             if got.kind == "error":
+                if got.value.__class__ is StepsEnded:  # a tracer.iter loop outran the run
+                    warnings.warn(str(got.value), stacklevel=2)
+                    return
                 raise got.value
 
     def close(self) -> None:

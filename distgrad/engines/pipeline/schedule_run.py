@@ -102,6 +102,7 @@ class ScheduleRun:
             session.close()
             for body in bodies:
                 body.requests = None
+                body.release_held()
         capture.write_back(frame, joined(names, bodies, spaces))
 
     def _instrument(self):

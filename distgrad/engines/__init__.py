@@ -19,6 +19,7 @@ from .accelerate import AccelerateEngine, PreparedWithoutAccelerator
 from .base import Engine
 from .ddp import DDPEngine
 from .deepspeed import DeepSpeedEngineAdapter
+from .fabric import FabricEngine, forward_module, is_fabric_module
 from .fsdp2 import FSDP2Engine, is_fully_sharded
 from .local import LocalEngine
 from .pipeline import DeepSpeedPipeEngine, PipelineEngine
@@ -43,6 +44,8 @@ def select(
         engine = select(compiled, None, tp_shards, full_model, inner=inner)
         if type(engine) is not LocalEngine:
             return engine
+    if is_fabric_module(obj):  # Lightning Fabric's: the engine of the module it calls
+        return FabricEngine(obj, select(forward_module(obj), accelerator, tp_shards, full_model))
     if accelerator is None and not inner and getattr(obj, "_is_accelerate_prepared", False):
         # prepared by accelerate, wrapped without its accelerator (accelerate.py)
         return PreparedWithoutAccelerator(obj, select(obj, inner=True))
@@ -88,6 +91,7 @@ __all__ = [
     "DDPEngine",
     "FSDP2Engine",
     "AccelerateEngine",
+    "FabricEngine",
     "DeepSpeedEngineAdapter",
     "PipelineEngine",
     "DeepSpeedPipeEngine",

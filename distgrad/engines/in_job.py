@@ -1,0 +1,259 @@
+"""A plain module traced in a job of several processes: ``self.net`` of a LightningModule under
+Lightning's DDP strategy, the module a Fabric or torchrun script wraps itself, or one wrapped
+before ``torch.distributed.init_process_group`` ran.
+
+The one-process engine (``local.py``) decides at each trace, not at wrap, whether its module
+runs in such a job; if it does, the trace is served by ``ModuleInJob``:
+
+* Saves: gathered to rank 0 as the global batch, as under DDP (``ranks/gather.py``): every
+  rank's own rows joined in rank order. Before the gather the ranks meet through the job's
+  store (``meet``): a trace that ran on one rank only (an evaluation on rank 0) raises after
+  ``distgrad.config.failure_timeout`` seconds instead of waiting for ever; saves made with
+  ``gather="none"`` need no peer, so such a trace keeps them and meets nobody.
+* Parameter gradients: the module's parents are found once (``enclosing_modules``, below). Under
+  a sharding parent (FSDP1, ``fully_shard``, a DeepSpeed engine) ``.grad`` is that engine's
+  full gradient, as on its own engine; a plain parameter's ``.grad`` is returned where every
+  rank holds the same tensor (reduced by DDP, or by the user), and raises where the ranks hold
+  different ones (this rank's own sums, which the body would take for the job's).
+* Backward: under Lightning or Fabric (a ``LightningModule`` attached to a Trainer, or a
+  Fabric module, among the parents) the backward must be the library's own
+  (``self.manual_backward(loss)``, ``fabric.backward(loss)``), which reduces the gradients
+  across ranks and scales the loss; a ``with loss.backward():`` block or a plain ``.backward()``
+  in the body would bypass it, leaving every rank with its own gradients. Both raise, saying
+  how to open the block on the library's backward (``model.trace_step``).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..config import config
+from ..errors import TraceStateError
+from ..torch_internals import submodules
+from .deepspeed import ZeroParam
+from .fsdp2 import ShardedParam
+from .ranks import DistributedEngine
+
+# ModuleInJob engines made in this process, in order: the ranks make theirs in the same order,
+# so that the store keys of their meetings match
+_ORDER = itertools.count()
+
+
+def job_world() -> int:
+    """The number of processes of the job this one belongs to (1 without a process group)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class ModuleInJob(DistributedEngine):
+    name = "module in a multi-process job"
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__(module)
+        self.order = next(_ORDER)
+        self.met = 0  # meetings every rank reached (meet)
+        self.met_in_trace = False
+        parents = enclosing_modules(module)
+        self.library = next((p for p in parents if library_of(p) is not None), None)
+        self.sharding = next((p for p in reversed(parents) if sharding_kind(p)), None)
+
+    # -- backward: the library's own, where there is one -------------------------------------
+    def backward(self, tensor, fn, args, kwargs):
+        self.refuse_plain_backward("a `with loss.backward():` block")
+        return fn(tensor, *args, **kwargs)
+
+    def plain_backward(self) -> None:
+        if not called_by_library_backward():
+            self.refuse_plain_backward("a plain `.backward()` in the trace's body")
+
+    def refuse_plain_backward(self, what: str) -> None:
+        if self.library is None:
+            return
+        name, backward = library_of(self.library)
+        raise TraceStateError(
+            f"{what} on {type(self.wrapped).__name__}, which runs under {name} on "
+            f"{self.world_size} ranks: a plain backward bypasses {name}'s own "
+            f"({backward}), so the ranks' gradients would not be reduced and they would "
+            f"train apart. Trace the step with the library's backward: "
+            f"`with model.trace_step(lambda: <forward returning the loss>, {backward}) as tr:` "
+            f"and open the block on `tr.loss` (`with tr.loss.backward():`)."
+        )
+
+    # -- parameter gradients -----------------------------------------------------------------
+    def param(self, param, path):
+        kind = sharding_kind(self.sharding) if self.sharding is not None else None
+        if kind == "fsdp1":
+            from .fsdp1 import FullParam  # (imports torch.distributed.fsdp: only when used)
+
+            return FullParam(self.sharding, param, path, self.meet)
+        if kind == "deepspeed":
+            return ZeroParam(param, path, self.meet)
+        if type(param).__name__ == "DTensor" or kind == "fsdp2":
+            return ShardedParam(param, path, self.meet)
+        return AgreedParam(param, path, self)
+
+    # -- the end of a trace ------------------------------------------------------------------
+    def end_trace(self, saves: list, error: BaseException | None):
+        alone = None
+        if error is None and any(mode != "none" for _, mode, _ in saves):
+            try:
+                self.meet("the end-of-trace gather of its saves")
+            except TraceStateError as exc:
+                alone = exc
+        if alone is None and (error is not None or self.met_in_trace):
+            return super().end_trace(saves, error)
+        # nothing to send (saves kept per rank), or no peer to send it to: the trace ends on
+        # this rank alone, and the process group stays as it is
+        gather, self.saves_gather = self.saves_gather, None
+        try:
+            super().end_trace(saves, None)
+        finally:
+            self.saves_gather = gather
+        return alone
+
+    def begin_trace(self) -> None:
+        self.met_in_trace = False
+        super().begin_trace()
+
+    def meet(self, what: str) -> None:
+        """Return once every rank has reached this point of its trace, through one counter in
+        the store; raise ``TraceStateError`` after ``failure_timeout`` seconds without them
+        (this rank's arrival taken back, so that the next meeting counts right)."""
+        key = f"distgrad/in_job/{self.order}"
+        target = self.job_world * (self.met + 1)
+        arrived = self.store.add(key, 1)
+        deadline = time.monotonic() + config.failure_timeout
+        while arrived < target:
+            if time.monotonic() > deadline:
+                self.store.add(key, -1)
+                raise TraceStateError(
+                    f"rank {self.job_rank} reached {what} in a trace of "
+                    f"{type(self.wrapped).__name__}, but not every one of the {self.job_world} "
+                    f"ranks did within {config.failure_timeout:g} s "
+                    f"(distgrad.config.failure_timeout). A trace of a module in a multi-process "
+                    f"job gathers its saves to rank 0, so every rank runs it. To trace on some "
+                    f"ranks only (an evaluation on rank 0), save with `.save(gather='none')` "
+                    f"(kept on this rank, nothing sent) and read no parameter .grad."
+                )
+            self.check_failure()
+            time.sleep(0.002)
+            arrived = self.store.add(key, 0)
+        self.met += 1
+        self.met_in_trace = True
+
+
+class AgreedParam:
+    """A plain parameter of a module in a multi-process job: ``.grad`` is returned where every
+    rank holds the same gradient (reduced), and raises where they differ."""
+
+    def __init__(self, param, path: str, engine: ModuleInJob):
+        object.__setattr__(self, "param", param)
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "engine", engine)
+
+    @property
+    def grad(self):
+        grad = self.param.grad
+        group, device = self.engine.group, self.param.device
+        self.engine.meet(f"{self.path}.grad")
+        # whether every rank holds a gradient, then its elementwise max and min over the ranks:
+        # equal to this rank's own on every rank exactly when the ranks agree
+        held = torch.tensor([grad is not None, grad is None], dtype=torch.float32, device=device)
+        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=group)
+        same = held.sum().item() == 1
+        if same and grad is not None:
+            high, low = grad.detach().clone(), -grad.detach()
+            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(low, op=dist.ReduceOp.MAX, group=group)
+            agreed = torch.tensor([torch.equal(high, -low)], dtype=torch.float32, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+            same = agreed.item() == 1
+        if not same:
+            raise ValueError(
+                f"{self.path}.grad: the ranks hold different gradients for this parameter, "
+                f"each its own rows' sums: nothing reduced them (the module was traced without "
+                f"the DDP, FSDP or DeepSpeed wrapper that would). Wrap that wrapper "
+                f"(distgrad.wrap(ddp_model); paths then start at the module it wraps), or "
+                f"all-reduce the gradients before reading them."
+            )
+        return grad
+
+    @grad.setter
+    def grad(self, value):
+        self.param.grad = value
+
+    def __getattr__(self, name):
+        return getattr(self.param, name)
+
+    def __repr__(self):
+        return f"AgreedParam({self.path})"
+
+
+def enclosing_modules(module: torch.nn.Module) -> list:
+    """The modules that hold ``module`` as a submodule, nearest first, up to the roots (a module
+    does not know its parents: every module object of the process is looked at once, a
+    fraction of a second, once per engine)."""
+    parents: dict[int, list] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Module):
+            for child in submodules(obj).values():
+                if child is not None:
+                    parents.setdefault(id(child), []).append(obj)
+    found, todo, seen = [], [module], {id(module)}
+    while todo:
+        for parent in parents.get(id(todo.pop(0)), []):
+            if id(parent) not in seen:
+                seen.add(id(parent))
+                found.append(parent)
+                todo.append(parent)
+    return found
+
+
+def called_by_library_backward() -> bool:
+    """Whether the ``.backward()`` being called comes from Lightning's or Fabric's own backward
+    (``self.manual_backward(loss)``, ``fabric.backward(loss)`` called in a body run it there)."""
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return False
+        module = frame.f_globals.get("__name__", "")
+        if frame.f_code.co_name in ("backward", "manual_backward") and module.startswith(
+            ("lightning.", "pytorch_lightning.", "lightning_fabric.")
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def library_of(module) -> tuple[str, str] | None:
+    """(the library, its backward) where ``module`` is a training library's own: a
+    LightningModule attached to a Trainer, or a Fabric module; else None."""
+    kind = type(module)
+    names = {(c.__module__.split(".")[0], c.__name__) for c in kind.__mro__}
+    if ("lightning", "LightningModule") in names or ("pytorch_lightning", "LightningModule") in (
+        names
+    ):
+        if vars(module).get("_trainer") is not None:
+            return "Lightning", "self.manual_backward"
+        return None
+    if kind.__name__ == "_FabricModule":
+        return "Fabric", "fabric.backward"
+    return None
+
+
+def sharding_kind(module) -> str | None:
+    """How ``module`` shards the parameters below it: ``"fsdp1"``, ``"fsdp2"``,
+    ``"deepspeed"``, or None."""
+    name = type(module).__name__
+    if name == "FullyShardedDataParallel":
+        return "fsdp1"
+    if name == "DeepSpeedEngine":
+        return "deepspeed"
+    if any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
+        return "fsdp2"
+    return None

@@ -2,6 +2,7 @@
 ``fabric.setup`` returned is wrapped as it is, the block's backward is ``fabric.backward``
 (``model.trace_step``), against the one-process oracle of ``lightning_job.py`` (rel 1e-5); a
 plain backward block raises on every rank, and so does a plain ``.backward()`` in the body."""
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,9 @@ def case_fabric_loop(world, rank):
     for step in range(STEPS):
         ids = rows(world, rank, step)
         opt.zero_grad()
-        with traced.trace_step(lambda: model(input_ids=ids, labels=ids).loss,
-                               fabric.backward) as tr:
+        with traced.trace_step(
+            lambda: model(input_ids=ids, labels=ids).loss, fabric.backward
+        ) as tr:
             hidden = traced.transformer.h[0].output.save()  # paths of the user's module
             with tr.loss.backward():  # fabric.backward(loss)
                 grad = hidden.grad.save()

@@ -4,6 +4,7 @@ the one-process oracle of ``lightning_job.py`` has them (rel 1e-5); a trace on r
 keeps ``gather="none"`` saves and raises, instead of waiting for ever, where a save would be
 gathered, and the ranks trace together afterwards; a parameter's ``.grad`` that nothing
 reduced raises on every rank."""
+
 from __future__ import annotations
 
 import time
@@ -43,8 +44,12 @@ def case_trace_on_rank0_only(world, rank):
         timeout, distgrad.config.failure_timeout = distgrad.config.failure_timeout, 2.0
         start = time.monotonic()
         try:
-            expect_error(lambda: trace_first_rows(model, world, rank), distgrad.TraceStateError,
-                         "gather='none'", heard=False)
+            expect_error(
+                lambda: trace_first_rows(model, world, rank),
+                distgrad.TraceStateError,
+                "gather='none'",
+                heard=False,
+            )
         finally:
             distgrad.config.failure_timeout = timeout
         assert time.monotonic() - start < 30

@@ -13,6 +13,7 @@ the gradient a rank sees at an activation is ``world`` x that of the global mean
 Tolerance: fp32, relative 1e-5 (``rel_close``: max abs difference over the largest value).
 Fabric's cases and the plain-module cases live in ``fabric_cases.py`` and ``in_job_cases.py``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -120,10 +121,18 @@ def trainer_for(world: int, callbacks=()):
     import lightning.pytorch as L
 
     return L.Trainer(
-        accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
-        max_steps=STEPS, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-        enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks),
-        use_distributed_sampler=False)  # each rank's rows are given: the oracle knows them
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        max_steps=STEPS,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=list(callbacks),
+        use_distributed_sampler=False,
+    )  # each rank's rows are given: the oracle knows them
 
 
 def fit(world: int, module, callbacks=()):
@@ -178,8 +187,13 @@ def case_lightning_automatic(world, rank):
     trainer = fit(world, module, [tracer])
     assert engine_of(tracer.traced_model).name == ("ddp" if world > 1 else "local")
     assert [r.step for r in tracer.saved] == list(range(STEPS)), tracer.saved
-    check_run(world, rank, module.net, [r.value["h0"] for r in tracer.saved],
-              [r.value["grad"] for r in tracer.saved])
+    check_run(
+        world,
+        rank,
+        module.net,
+        [r.value["h0"] for r in tracer.saved],
+        [r.value["grad"] for r in tracer.saved],
+    )
     assert "_make_closure" not in vars(trainer.fit_loop.epoch_loop.automatic_optimization)
 
 
@@ -187,8 +201,9 @@ def manual_step(self, batch):
     """The manual-optimization recipe: Lightning's backward (``self.manual_backward``) as the
     block's; the reduced gradient of a weight read after it."""
     model = self.traced
-    with model.trace_step(lambda: self.net(input_ids=batch, labels=batch).loss,
-                          self.manual_backward) as tr:
+    with model.trace_step(
+        lambda: self.net(input_ids=batch, labels=batch).loss, self.manual_backward
+    ) as tr:
         hidden = model.transformer.h[0].output.save()
         with tr.loss.backward():
             grad = hidden.grad.save()
@@ -231,6 +246,7 @@ def case_lightning_manual_plain_backward_raises(world, rank):
 
 def case_lightning_manual_backward_in_body_runs(world, rank):
     """``self.manual_backward(loss)`` called in a trace's body is Lightning's own backward."""
+
     def step(self, batch):
         with self.traced.trace(input_ids=batch, labels=batch):
             hidden = self.traced.transformer.h[0].output
@@ -257,13 +273,21 @@ def main():
     from fabric_cases import FABRIC_CASES, FABRIC_FAILURES
     from in_job_cases import IN_JOB_CASES, IN_JOB_FAILURES
 
-    cases = [case_lightning_automatic, case_lightning_manual,
-             case_lightning_manual_backward_in_body_runs, *FABRIC_CASES]
+    cases = [
+        case_lightning_automatic,
+        case_lightning_manual,
+        case_lightning_manual_backward_in_body_runs,
+        *FABRIC_CASES,
+    ]
     # each failure on 2 ranks ends the process group (distgrad's failure protocol), and the
     # ranks start again for the next case (cases.py): one Fabric slip there, both on one process
     if world > 1:  # the Lightning slips raise where a plain backward would not reduce
-        cases += [*IN_JOB_CASES, case_lightning_manual_block_raises,
-                  case_lightning_manual_plain_backward_raises, *IN_JOB_FAILURES]
+        cases += [
+            *IN_JOB_CASES,
+            case_lightning_manual_block_raises,
+            case_lightning_manual_plain_backward_raises,
+            *IN_JOB_FAILURES,
+        ]
     cases += FABRIC_FAILURES if world == 1 else FABRIC_FAILURES[:1]
     run_cases(cases, args.out, rank, world, rank)
 

@@ -6,9 +6,10 @@ self.manual_backward)`` against the same raw hooks around ``self.manual_backward
 
 The variants take turns, ``--rounds`` times, each training ``--steps`` optimizer steps (SGD,
 progress bar, logger and checkpoints off); a callback times every step, and the first step of
-each turn is dropped. Steps are timed in this process's CPU seconds (torch on one thread), which
-other jobs on a shared machine do not inflate as they do a wall clock. Before timing, each traced variant and its raw-hook twin train 3 steps
-from the same weights, and their parameters must agree (atol 1e-5).
+each turn is dropped. Steps are timed in this process's CPU seconds (torch on one thread),
+which other jobs on a shared machine do not inflate as they do a wall clock. Before timing,
+each traced variant and its raw-hook twin train 3 steps from the same weights, and their
+parameters must agree (atol 1e-5).
 
     python benchmarks/lightning_step.py [--size toy|user] [--steps 20] [--rounds 3]
 

@@ -12,7 +12,8 @@ loop traced by distgrad, and plain modules traced in a multi-process job, on one
   every rank;
 * a plain module on 2 ranks: saves gathered to rank 0; a trace on rank 0 alone keeps
   ``gather="none"`` saves and raises (no hang) for a gathered one; an unreduced parameter
-  ``.grad`` raises on every rank.
+  ``.grad`` raises on every rank, and so does a backward block on a module inside a DDP
+  module whose forward the trace bypassed.
 
 Lightning's ``strategy="fsdp"`` and ``"deepspeed"`` refuse the CPU accelerator (Lightning's own
 errors, shown in docs/recipes.rst), so they are not run here.
@@ -41,6 +42,7 @@ TWO_RANKS = [
     "case_trace_on_rank0_only",
     "case_lightning_manual_block_raises",
     "case_lightning_manual_plain_backward_raises",
+    "case_block_bypassing_a_ddp_parent_raises",
     "case_unreduced_parameter_grad_raises",
 ]
 

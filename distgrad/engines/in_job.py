@@ -20,7 +20,10 @@ runs in such a job; if it does, the trace is served by ``ModuleInJob``:
   (``self.manual_backward(loss)``, ``fabric.backward(loss)``), which reduces the gradients
   across ranks and scales the loss; a ``with loss.backward():`` block or a plain ``.backward()``
   in the body would bypass it, leaving every rank with its own gradients. Both raise, saying
-  how to open the block on the library's backward (``model.trace_step``).
+  how to open the block on the library's backward (``model.trace_step``). Under a DDP, FSDP
+  or DeepSpeed parent outside those libraries the trace's forward called the module itself,
+  bypassing the parent's forward, so its backward would not reduce either: both raise, naming
+  the parent to wrap instead.
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ class ModuleInJob(DistributedEngine):
         self.met = 0  # meetings every rank reached (meet)
         self.met_in_trace = False
         parents = enclosing_modules(module)
-        self.library = next((p for p in parents if library_of(p) is not None), None)
+        # (the module itself may be the LightningModule, wrapped whole)
+        self.library = next((p for p in [module, *parents] if library_of(p) is not None), None)
         self.sharding = next((p for p in reversed(parents) if sharding_kind(p)), None)
+        self.parallel = next((p for p in parents if parallel_kind(p)), None)
 
     # -- backward: the library's own, where there is one -------------------------------------
     def backward(self, tensor, fn, args, kwargs):
@@ -72,6 +77,16 @@ class ModuleInJob(DistributedEngine):
             self.refuse_plain_backward("a plain `.backward()` in the trace's body")
 
     def refuse_plain_backward(self, what: str) -> None:
+        if self.library is None and self.parallel is not None:
+            wrapper = type(self.parallel).__name__
+            raise TraceStateError(
+                f"{what} on {type(self.wrapped).__name__}, which sits inside a {wrapper} on "
+                f"{self.world_size} ranks: the trace called {type(self.wrapped).__name__} "
+                f"itself, bypassing the {wrapper}'s forward, so this backward would not reduce "
+                f"the gradients and the ranks would train apart. Wrap the {wrapper} instead: "
+                f"distgrad.wrap({wrapper.lower()}_model) (paths then start at the module it "
+                f"wraps)."
+            )
         if self.library is None:
             return
         name, backward = library_of(self.library)
@@ -244,6 +259,13 @@ def library_of(module) -> tuple[str, str] | None:
     if kind.__name__ == "_FabricModule":
         return "Fabric", "fabric.backward"
     return None
+
+
+def parallel_kind(module) -> str | None:
+    """How ``module`` runs data parallel over the ranks: ``"ddp"`` or a ``sharding_kind``."""
+    if type(module).__name__ == "DistributedDataParallel":
+        return "ddp"
+    return sharding_kind(module)
 
 
 def sharding_kind(module) -> str | None:

@@ -3,7 +3,8 @@
 the one-process oracle of ``lightning_job.py`` has them (rel 1e-5); a trace on rank 0 alone
 keeps ``gather="none"`` saves and raises, instead of waiting for ever, where a save would be
 gathered, and the ranks trace together afterwards; a parameter's ``.grad`` that nothing
-reduced raises on every rank."""
+reduced raises on every rank; a backward block on a module inside a DDP module, whose forward
+the trace bypassed, raises on every rank before any backward runs."""
 
 from __future__ import annotations
 
@@ -72,4 +73,22 @@ def case_unreduced_parameter_grad_raises(world, rank):
 
 
 IN_JOB_CASES = [case_plain_module_saves_reach_rank0, case_trace_on_rank0_only]
-IN_JOB_FAILURES = [case_unreduced_parameter_grad_raises]
+def case_block_bypassing_a_ddp_parent_raises(world, rank):
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = build_net()
+    ddp = DistributedDataParallel(net)  # the user's DDP model; the trace below calls net itself
+    model = distgrad.wrap(net)
+    ids = rows(world, rank, 0)
+
+    def slip():
+        with model.trace(input_ids=ids, labels=ids):
+            with model.output.loss.backward():
+                pass
+
+    expect_error(slip, distgrad.TraceStateError, "Wrap the DistributedDataParallel instead")
+    assert all(p.grad is None for p in net.parameters()), "the refused backward ran"
+    del ddp
+
+
+IN_JOB_FAILURES = [case_block_bypassing_a_ddp_parent_raises, case_unreduced_parameter_grad_raises]

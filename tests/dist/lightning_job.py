@@ -28,7 +28,6 @@ import torch.distributed as dist
 import distgrad
 from cases import expect_error, run_cases  # noqa: E402  (tests/dist is the script's folder)
 from distgrad.demo.models import build_gpt2
-from distgrad.lightning import TraceSteps
 from distgrad.trace import engine_of
 
 warnings.filterwarnings("ignore")  # Lightning's advice on workers and loggers
@@ -182,6 +181,8 @@ def double_first_block(model, tr):
 
 
 def case_lightning_automatic(world, rank):
+    from distgrad.lightning import TraceSteps  # (Lightning: imported by the cases that use it)
+
     tracer = TraceSteps(double_first_block)
     module = make_module()
     trainer = fit(world, module, [tracer])

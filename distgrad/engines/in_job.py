@@ -8,7 +8,7 @@ runs in such a job; if it does, the trace is served by ``ModuleInJob``:
 * Saves: gathered to rank 0 as the global batch, as under DDP (``ranks/gather.py``): every
   rank's own rows joined in rank order. Before the gather the ranks meet through the job's
   store (``meet``): a trace that ran on one rank only (an evaluation on rank 0) raises after
-  ``distgrad.config.failure_timeout`` seconds instead of waiting for ever; saves made with
+  ``distgrad.config.peer_timeout`` seconds instead of waiting for ever; saves made with
   ``gather="none"`` need no peer, so such a trace keeps them and meets nobody.
 * Parameter gradients: the module's parents are found once (``enclosing_modules``, below). Under
   a sharding parent (FSDP1, ``fully_shard``, a DeepSpeed engine) ``.grad`` is that engine's
@@ -29,7 +29,6 @@ runs in such a job; if it does, the trace is served by ``ModuleInJob``:
 from __future__ import annotations
 
 import gc
-import itertools
 import sys
 import time
 
@@ -43,9 +42,27 @@ from .deepspeed import ZeroParam
 from .fsdp2 import ShardedParam
 from .ranks import DistributedEngine
 
-# ModuleInJob engines made in this process, in order: the ranks make theirs in the same order,
-# so that the store keys of their meetings match
-_ORDER = itertools.count()
+
+class Meetings:
+    """The meetings this process's ranks reached together (``ModuleInJob.meet``), counted over
+    every module it traces: the ranks run their gathering traces in the same order whatever
+    modules a rank traces on its own (an evaluation model on rank 0 with ``gather="none"``
+    meets nobody), so one counter in the job's store lines them up. Counted afresh for each
+    store (a new process group)."""
+
+    key = "distgrad/in_job/meetings"
+
+    def __init__(self):
+        self.store, self.met = None, 0
+
+    def target(self, store, world: int) -> int:
+        """The count the store's counter reaches when every rank is at this meeting."""
+        if store is not self.store:
+            self.store, self.met = store, 0
+        return world * (self.met + 1)
+
+
+MEETINGS = Meetings()
 
 
 def job_world() -> int:
@@ -58,9 +75,7 @@ class ModuleInJob(DistributedEngine):
 
     def __init__(self, module: torch.nn.Module):
         super().__init__(module)
-        self.order = next(_ORDER)
-        self.met = 0  # meetings every rank reached (meet)
-        self.met_in_trace = False
+        self.met_in_trace = False  # this trace met the other ranks (meet)
         parents = enclosing_modules(module)
         # (the module itself may be the LightningModule, wrapped whole)
         self.library = next((p for p in [module, *parents] if library_of(p) is not None), None)
@@ -137,20 +152,20 @@ class ModuleInJob(DistributedEngine):
 
     def meet(self, what: str) -> None:
         """Return once every rank has reached this point of its trace, through one counter in
-        the store; raise ``TraceStateError`` after ``failure_timeout`` seconds without them
+        the store; raise ``TraceStateError`` after ``peer_timeout`` seconds without them
         (this rank's arrival taken back, so that the next meeting counts right)."""
-        key = f"distgrad/in_job/{self.order}"
-        target = self.job_world * (self.met + 1)
+        key = MEETINGS.key
+        target = MEETINGS.target(self.store, self.job_world)
         arrived = self.store.add(key, 1)
-        deadline = time.monotonic() + config.failure_timeout
+        deadline = time.monotonic() + config.peer_timeout
         while arrived < target:
             if time.monotonic() > deadline:
                 self.store.add(key, -1)
                 raise TraceStateError(
                     f"rank {self.job_rank} reached {what} in a trace of "
                     f"{type(self.wrapped).__name__}, but not every one of the {self.job_world} "
-                    f"ranks did within {config.failure_timeout:g} s "
-                    f"(distgrad.config.failure_timeout). A trace of a module in a multi-process "
+                    f"ranks did within {config.peer_timeout:g} s "
+                    f"(distgrad.config.peer_timeout). A trace of a module in a multi-process "
                     f"job gathers its saves to rank 0, so every rank runs it. To trace on some "
                     f"ranks only (an evaluation on rank 0), save with `.save(gather='none')` "
                     f"(kept on this rank, nothing sent) and read no parameter .grad."
@@ -158,7 +173,7 @@ class ModuleInJob(DistributedEngine):
             self.check_failure()
             time.sleep(0.002)
             arrived = self.store.add(key, 0)
-        self.met += 1
+        MEETINGS.met += 1
         self.met_in_trace = True
 
 

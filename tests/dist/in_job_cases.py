@@ -42,7 +42,7 @@ def case_trace_on_rank0_only(world, rank):
     if rank == 0:
         hidden, grad = trace_first_rows(model, world, rank, gather="none")  # nothing sent
         assert hidden.shape[0] == ROWS and grad.shape[0] == ROWS
-        timeout, distgrad.config.failure_timeout = distgrad.config.failure_timeout, 2.0
+        timeout, distgrad.config.peer_timeout = distgrad.config.peer_timeout, 2.0
         start = time.monotonic()
         try:
             expect_error(
@@ -52,7 +52,7 @@ def case_trace_on_rank0_only(world, rank):
                 heard=False,
             )
         finally:
-            distgrad.config.failure_timeout = timeout
+            distgrad.config.peer_timeout = timeout
         assert time.monotonic() - start < 30
     dist.barrier()  # the group survived; the ranks' next trace gathers as usual
     hidden, _ = trace_first_rows(model, world, rank)

@@ -9,7 +9,8 @@ loop traced by distgrad, and plain modules traced in a multi-process job, on one
   moved the parameters; under manual optimization also a weight's reduced ``.grad``;
 * ``self.manual_backward(loss)`` called in a trace's body runs; a ``with loss.backward():``
   block or a plain ``.backward()`` that bypasses Lightning's or Fabric's backward raises on
-  every rank;
+  every rank, on one process too (under automatic optimization a block in ``training_step``
+  would be a second backward);
 * a plain module on 2 ranks: saves gathered to rank 0; a trace on rank 0 alone keeps
   ``gather="none"`` saves and raises (no hang) for a gathered one; an unreduced parameter
   ``.grad`` raises on every rank, and so does a backward block on a module inside a DDP
@@ -35,13 +36,14 @@ EVERYWHERE = [
     "case_lightning_manual_backward_in_body_runs",
     "case_fabric_loop",
     "case_fabric_block_raises",
+    "case_lightning_manual_block_raises",
+    "case_lightning_manual_plain_backward_raises",
 ]
-ONE_PROCESS = ["case_fabric_plain_backward_raises"]  # (each failure on 2 ranks restarts them)
+# (each failure on 2 ranks restarts them: these raise through the same code there)
+ONE_PROCESS = ["case_fabric_plain_backward_raises", "case_lightning_automatic_block_raises"]
 TWO_RANKS = [
     "case_plain_module_saves_reach_rank0",
     "case_trace_on_rank0_only",
-    "case_lightning_manual_block_raises",
-    "case_lightning_manual_plain_backward_raises",
     "case_block_bypassing_a_ddp_parent_raises",
     "case_unreduced_parameter_grad_raises",
 ]
@@ -59,7 +61,7 @@ def job(request, tmp_path_factory):
 def test_lightning_case(job, case):
     world, procs, results = job
     if case in TWO_RANKS and world == 1:
-        pytest.skip("a plain backward is Lightning's own on one process: runs on 2 ranks")
+        pytest.skip("a plain module in a job of several processes: runs on 2 ranks")
     if case in ONE_PROCESS and world > 1:
         pytest.skip("the same refusal as on one process; a failure case on 2 ranks costs a restart")
     report = case_report(procs, results, case)

@@ -14,10 +14,9 @@
 
 from __future__ import annotations
 
-from ..errors import TraceStateError
 from ..torch_internals import submodules
 from .base import Engine
-from .in_job import called_by_library_backward
+from .owners import called_by_library_backward, library_refusal
 
 
 class FabricEngine(Engine):
@@ -40,11 +39,13 @@ class FabricEngine(Engine):
         return self.wrapped(*args, **kwargs)
 
     def backward(self, tensor, fn, args, kwargs):
-        raise refusal("a `with loss.backward():` block")
+        what = "a `with loss.backward():` block"
+        raise library_refusal(what, self.model, self.wrapped, self.world_size)
 
     def plain_backward(self) -> None:
         if not called_by_library_backward():
-            raise refusal("a plain `.backward()` in the trace's body")
+            what = "a plain `.backward()` in the trace's body"
+            raise library_refusal(what, self.model, self.wrapped, self.world_size)
         self.inner.plain_backward()
 
     def unwrap(self, module):
@@ -73,16 +74,6 @@ class FabricEngine(Engine):
 
     def end_trace(self, saves, error):
         return self.inner.end_trace(saves, error)
-
-
-def refusal(what: str) -> TraceStateError:
-    return TraceStateError(
-        f"{what} on a module Fabric set up: Fabric's backward is fabric.backward(loss), which "
-        f"reduces the gradients under its strategy and scales the loss under mixed precision, "
-        f"and a plain backward bypasses it. Trace the step with Fabric's backward: "
-        f"`with model.trace_step(lambda: <forward returning the loss>, fabric.backward) as tr:` "
-        f"and open the block on `tr.loss` (`with tr.loss.backward():`)."
-    )
 
 
 def is_fabric_module(obj) -> bool:

@@ -28,8 +28,6 @@ runs in such a job; if it does, the trace is served by ``ModuleInJob``:
 
 from __future__ import annotations
 
-import gc
-import sys
 import time
 
 import torch
@@ -37,9 +35,16 @@ import torch.distributed as dist
 
 from ..config import config
 from ..errors import TraceStateError
-from ..torch_internals import submodules
 from .deepspeed import ZeroParam
 from .fsdp2 import ShardedParam
+from .owners import (
+    called_by_library_backward,
+    enclosing_modules,
+    library_holding,
+    library_refusal,
+    parallel_kind,
+    sharding_kind,
+)
 from .ranks import DistributedEngine
 
 
@@ -77,8 +82,7 @@ class ModuleInJob(DistributedEngine):
         super().__init__(module)
         self.met_in_trace = False  # this trace met the other ranks (meet)
         parents = enclosing_modules(module)
-        # (the module itself may be the LightningModule, wrapped whole)
-        self.library = next((p for p in [module, *parents] if library_of(p) is not None), None)
+        self.library = library_holding([module, *parents])
         self.sharding = next((p for p in reversed(parents) if sharding_kind(p)), None)
         self.parallel = next((p for p in parents if parallel_kind(p)), None)
 
@@ -102,17 +106,8 @@ class ModuleInJob(DistributedEngine):
                 f"distgrad.wrap({wrapper.lower()}_model) (paths then start at the module it "
                 f"wraps)."
             )
-        if self.library is None:
-            return
-        name, backward = library_of(self.library)
-        raise TraceStateError(
-            f"{what} on {type(self.wrapped).__name__}, which runs under {name} on "
-            f"{self.world_size} ranks: a plain backward bypasses {name}'s own "
-            f"({backward}), so the ranks' gradients would not be reduced and they would "
-            f"train apart. Trace the step with the library's backward: "
-            f"`with model.trace_step(lambda: <forward returning the loss>, {backward}) as tr:` "
-            f"and open the block on `tr.loss` (`with tr.loss.backward():`)."
-        )
+        if self.library is not None:
+            raise library_refusal(what, self.wrapped, self.library, self.world_size)
 
     # -- parameter gradients -----------------------------------------------------------------
     def param(self, param, path):
@@ -222,75 +217,3 @@ class AgreedParam:
 
     def __repr__(self):
         return f"AgreedParam({self.path})"
-
-
-def enclosing_modules(module: torch.nn.Module) -> list:
-    """The modules that hold ``module`` as a submodule, nearest first, up to the roots (a module
-    does not know its parents: every module object of the process is looked at once, a
-    fraction of a second, once per engine)."""
-    parents: dict[int, list] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module):
-            for child in submodules(obj).values():
-                if child is not None:
-                    parents.setdefault(id(child), []).append(obj)
-    found, todo, seen = [], [module], {id(module)}
-    while todo:
-        for parent in parents.get(id(todo.pop(0)), []):
-            if id(parent) not in seen:
-                seen.add(id(parent))
-                found.append(parent)
-                todo.append(parent)
-    return found
-
-
-def called_by_library_backward() -> bool:
-    """Whether the ``.backward()`` being called comes from Lightning's or Fabric's own backward
-    (``self.manual_backward(loss)``, ``fabric.backward(loss)`` called in a body run it there)."""
-    frame = sys._getframe(2)
-    for _ in range(40):
-        if frame is None:
-            return False
-        module = frame.f_globals.get("__name__", "")
-        if frame.f_code.co_name in ("backward", "manual_backward") and module.startswith(
-            ("lightning.", "pytorch_lightning.", "lightning_fabric.")
-        ):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def library_of(module) -> tuple[str, str] | None:
-    """(the library, its backward) where ``module`` is a training library's own: a
-    LightningModule attached to a Trainer, or a Fabric module; else None."""
-    kind = type(module)
-    names = {(c.__module__.split(".")[0], c.__name__) for c in kind.__mro__}
-    if ("lightning", "LightningModule") in names or ("pytorch_lightning", "LightningModule") in (
-        names
-    ):
-        if vars(module).get("_trainer") is not None:
-            return "Lightning", "self.manual_backward"
-        return None
-    if kind.__name__ == "_FabricModule":
-        return "Fabric", "fabric.backward"
-    return None
-
-
-def parallel_kind(module) -> str | None:
-    """How ``module`` runs data parallel over the ranks: ``"ddp"`` or a ``sharding_kind``."""
-    if type(module).__name__ == "DistributedDataParallel":
-        return "ddp"
-    return sharding_kind(module)
-
-
-def sharding_kind(module) -> str | None:
-    """How ``module`` shards the parameters below it: ``"fsdp1"``, ``"fsdp2"``,
-    ``"deepspeed"``, or None."""
-    name = type(module).__name__
-    if name == "FullyShardedDataParallel":
-        return "fsdp1"
-    if name == "DeepSpeedEngine":
-        return "deepspeed"
-    if any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
-        return "fsdp2"
-    return None

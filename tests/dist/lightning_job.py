@@ -245,6 +245,29 @@ def case_lightning_manual_plain_backward_raises(world, rank):
     expect_error(lambda: fit(world, module), distgrad.TraceStateError, "self.manual_backward")
 
 
+def case_lightning_automatic_block_raises(world, rank):
+    """Under automatic optimization a block in training_step would be a second backward."""
+    import lightning.pytorch as L
+
+    class Slip(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = build_net()
+            self.traced = distgrad.wrap(self.net)
+
+        def training_step(self, batch, batch_idx):
+            with self.traced.trace(input_ids=batch, labels=batch):
+                loss = self.traced.output.loss
+                with loss.backward():
+                    pass
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    expect_error(lambda: fit(world, Slip()), distgrad.TraceStateError, "TraceSteps")
+
+
 def case_lightning_manual_backward_in_body_runs(world, rank):
     """``self.manual_backward(loss)`` called in a trace's body is Lightning's own backward."""
 
@@ -280,15 +303,16 @@ def main():
         case_lightning_manual_backward_in_body_runs,
         *FABRIC_CASES,
     ]
+    if world > 1:
+        cases += IN_JOB_CASES
     # each failure on 2 ranks ends the process group (distgrad's failure protocol), and the
-    # ranks start again for the next case (cases.py): one Fabric slip there, both on one process
-    if world > 1:  # the Lightning slips raise where a plain backward would not reduce
-        cases += [
-            *IN_JOB_CASES,
-            case_lightning_manual_block_raises,
-            case_lightning_manual_plain_backward_raises,
-            *IN_JOB_FAILURES,
-        ]
+    # ranks start again for the next case (cases.py): on one process every slip runs, on 2
+    # ranks one of each kind
+    cases += [case_lightning_manual_block_raises, case_lightning_manual_plain_backward_raises]
+    if world == 1:
+        cases += [case_lightning_automatic_block_raises]
+    else:
+        cases += IN_JOB_FAILURES
     cases += FABRIC_FAILURES if world == 1 else FABRIC_FAILURES[:1]
     run_cases(cases, args.out, rank, world, rank)
 

@@ -6,7 +6,8 @@ loop traced by distgrad, and plain modules traced in a multi-process job, on one
 * 3 SGD steps of the tiny GPT-2, the first block's output and gradient saved and the gradient
   doubled: the saved values (rank 0: every rank's rows) and the parameters after the steps
   equal one process running the global batch with plain hooks (fp32, rel 1e-5), and the edit
-  moved the parameters; under manual optimization also a weight's reduced ``.grad``;
+  moved the parameters; under manual optimization also a weight's reduced ``.grad``; under
+  ``TraceSteps`` also with ``accumulate_grad_batches=2`` (one record per micro-batch);
 * ``self.manual_backward(loss)`` called in a trace's body runs; a ``with loss.backward():``
   block or a plain ``.backward()`` that bypasses Lightning's or Fabric's backward raises on
   every rank, on one process too (under automatic optimization a block in ``training_step``
@@ -32,6 +33,7 @@ from launch import case_report, read_results, run_ranks  # noqa: E402
 JOB = str(Path(__file__).parent / "dist" / "lightning_job.py")
 EVERYWHERE = [
     "case_lightning_automatic",
+    "case_lightning_automatic_accumulation",
     "case_lightning_manual",
     "case_lightning_manual_backward_in_body_runs",
     "case_fabric_loop",

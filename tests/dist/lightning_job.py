@@ -47,7 +47,7 @@ def build_net() -> torch.nn.Module:
 
 def dataset(world: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(11)
-    return torch.randint(0, 384, (STEPS * ROWS * world, 8), generator=g)
+    return torch.randint(0, 384, (2 * STEPS * ROWS * world, 8), generator=g)  # (accumulation 2)
 
 
 def rows(world: int, rank: int, step: int) -> torch.Tensor:
@@ -56,9 +56,9 @@ def rows(world: int, rank: int, step: int) -> torch.Tensor:
     return dataset(world)[indices]
 
 
-def rank_rows(world: int, rank: int) -> torch.Tensor:
+def rank_rows(world: int, rank: int, accumulate: int = 1) -> torch.Tensor:
     """Every row rank ``rank`` trains on, in order (its data loader's dataset)."""
-    return torch.cat([rows(world, rank, step) for step in range(STEPS)])
+    return torch.cat([rows(world, rank, batch) for batch in range(STEPS * accumulate)])
 
 
 def global_rows(world: int, step: int) -> torch.Tensor:
@@ -74,8 +74,9 @@ def rel_close(a, b, what: str, rel: float = REL) -> None:
         raise AssertionError(f"{what}: max abs diff {diff:.3g} > {rel} x {scale:.3g}")
 
 
-def oracle(world: int, edit: float = 2.0) -> dict:
-    """One process, plain autograd, the global batch of every step."""
+def oracle(world: int, edit: float = 2.0, accumulate: int = 1) -> dict:
+    """One process, plain autograd, the global batch of every step (of every micro-batch,
+    each loss divided by ``accumulate``, as Lightning does)."""
     net = build_net()
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     seen = {"h0": [], "g0": [], "weight_grad": []}
@@ -91,9 +92,10 @@ def oracle(world: int, edit: float = 2.0) -> dict:
 
     handle = net.transformer.h[0].register_forward_hook(on_output)
     for step in range(STEPS):
-        ids = global_rows(world, step)
         opt.zero_grad()
-        net(input_ids=ids, labels=ids).loss.backward()
+        for micro in range(accumulate):
+            ids = global_rows(world, step * accumulate + micro)
+            (net(input_ids=ids, labels=ids).loss / accumulate).backward()
         seen["weight_grad"].append(net.transformer.h[1].mlp.c_fc.weight.grad.clone())
         opt.step()
     handle.remove()
@@ -101,13 +103,14 @@ def oracle(world: int, edit: float = 2.0) -> dict:
     return seen
 
 
-def check_run(world, rank, net, h0s, g0s) -> None:
-    """The saved activations and gradients of every step and the parameters after them."""
-    want, unedited = oracle(world), oracle(world, edit=1.0)
+def check_run(world, rank, net, h0s, g0s, accumulate: int = 1) -> None:
+    """The saved activations and gradients of every micro-batch and the parameters after the
+    steps."""
+    want, unedited = oracle(world, 2.0, accumulate), oracle(world, 1.0, accumulate)
     moved = max((p - unedited["params"][n]).abs().max().item() for n, p in want["params"].items())
     assert moved > 1e-5, "the edit moved no parameter: the comparison would prove nothing"
-    assert len(h0s) == len(g0s) == STEPS, (len(h0s), len(g0s))
-    for step in range(STEPS):
+    assert len(h0s) == len(g0s) == STEPS * accumulate, (len(h0s), len(g0s))
+    for step in range(STEPS * accumulate):
         mine = slice(None) if rank == 0 else slice(rank * ROWS, (rank + 1) * ROWS)
         rel_close(h0s[step], want["h0"][step][mine], f"h[0]'s output at step {step}")
         rel_close(g0s[step], world * want["g0"][step][mine], f"h[0]'s gradient at step {step}")
@@ -116,7 +119,7 @@ def check_run(world, rank, net, h0s, g0s) -> None:
 
 
 # -- Lightning ---------------------------------------------------------------------------------
-def trainer_for(world: int, callbacks=()):
+def trainer_for(world: int, callbacks=(), accumulate: int = 1):
     import lightning.pytorch as L
 
     return L.Trainer(
@@ -131,13 +134,14 @@ def trainer_for(world: int, callbacks=()):
         num_sanity_val_steps=0,
         callbacks=list(callbacks),
         use_distributed_sampler=False,
+        accumulate_grad_batches=accumulate,
     )  # each rank's rows are given: the oracle knows them
 
 
-def fit(world: int, module, callbacks=()):
-    trainer = trainer_for(world, callbacks)
+def fit(world: int, module, callbacks=(), accumulate: int = 1):
+    trainer = trainer_for(world, callbacks, accumulate)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    data = torch.utils.data.DataLoader(rank_rows(world, rank), batch_size=ROWS)
+    data = torch.utils.data.DataLoader(rank_rows(world, rank, accumulate), batch_size=ROWS)
     trainer.fit(module, data)
     return trainer
 
@@ -196,6 +200,27 @@ def case_lightning_automatic(world, rank):
         [r.value["grad"] for r in tracer.saved],
     )
     assert "_make_closure" not in vars(trainer.fit_loop.epoch_loop.automatic_optimization)
+
+
+def case_lightning_automatic_accumulation(world, rank):
+    """accumulate_grad_batches=2: tr.loss is the loss over 2 (the saved gradients show it), DDP
+    reduces on the second micro-batch only, one record per micro-batch."""
+    from distgrad.lightning import TraceSteps
+
+    tracer = TraceSteps(double_first_block)
+    module = make_module()
+    fit(world, module, [tracer], accumulate=2)
+    assert [(r.step, r.micro_batch) for r in tracer.saved] == [
+        (i // 2, i % 2) for i in range(2 * STEPS)
+    ], [r[:2] for r in tracer.saved]
+    check_run(
+        world,
+        rank,
+        module.net,
+        [r.value["h0"] for r in tracer.saved],
+        [r.value["grad"] for r in tracer.saved],
+        accumulate=2,
+    )
 
 
 def manual_step(self, batch):
@@ -299,6 +324,7 @@ def main():
 
     cases = [
         case_lightning_automatic,
+        case_lightning_automatic_accumulation,
         case_lightning_manual,
         case_lightning_manual_backward_in_body_runs,
         *FABRIC_CASES,

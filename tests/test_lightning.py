@@ -12,7 +12,8 @@ loop traced by distgrad, and plain modules traced in a multi-process job, on one
   block or a plain ``.backward()`` that bypasses Lightning's or Fabric's backward raises on
   every rank, on one process too (under automatic optimization a block in ``training_step``
   would be a second backward);
-* a plain module on 2 ranks: saves gathered to rank 0; a trace on rank 0 alone keeps
+* a plain module on 2 ranks: saves gathered to rank 0; a submodule of a ``fully_shard``
+  parent gives FSDP2's whole weight gradient; a trace on rank 0 alone keeps
   ``gather="none"`` saves and raises (no hang) for a gathered one; an unreduced parameter
   ``.grad`` raises on every rank, and so does a backward block on a module inside a DDP
   module whose forward the trace bypassed.
@@ -46,6 +47,7 @@ ONE_PROCESS = ["case_fabric_plain_backward_raises", "case_lightning_automatic_bl
 TWO_RANKS = [
     "case_plain_module_saves_reach_rank0",
     "case_trace_on_rank0_only",
+    "case_submodule_of_a_fully_sharded_parent",
     "case_block_bypassing_a_ddp_parent_raises",
     "case_unreduced_parameter_grad_raises",
 ]

@@ -18,8 +18,8 @@ loop traced by distgrad, and plain modules traced in a multi-process job, on one
   ``.grad`` raises on every rank, and so does a backward block on a module inside a DDP
   module whose forward the trace bypassed.
 
-Lightning's ``strategy="fsdp"`` and ``"deepspeed"`` refuse the CPU accelerator (Lightning's own
-errors, shown in docs/recipes.rst), so they are not run here.
+Lightning's ``strategy="fsdp"`` and ``"deepspeed"`` refuse the CPU accelerator (their errors are
+shown in docs/recipes.rst): a case checks FSDP's, and nothing further of them runs here.
 """
 
 import sys
@@ -48,6 +48,7 @@ TWO_RANKS = [
     "case_plain_module_saves_reach_rank0",
     "case_trace_on_rank0_only",
     "case_submodule_of_a_fully_sharded_parent",
+    "case_lightning_fsdp_refuses_the_cpu",
     "case_block_bypassing_a_ddp_parent_raises",
     "case_unreduced_parameter_grad_raises",
 ]

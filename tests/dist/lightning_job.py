@@ -223,6 +223,18 @@ def case_lightning_automatic_accumulation(world, rank):
     )
 
 
+def case_lightning_fsdp_refuses_the_cpu(world, rank):
+    """What docs/recipes.rst says of it: Lightning itself refuses FSDP on the CPU. (DeepSpeed's
+    refusal, also there, is left out: importing deepspeed costs seconds a rank.)"""
+    import lightning.pytorch as L
+
+    def run():
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy="fsdp", max_steps=1)
+        trainer.fit(make_module(), torch.utils.data.DataLoader(rank_rows(world, rank)))
+
+    expect_error(run, ValueError, "The strategy `fsdp` requires a GPU accelerator", heard=False)
+
+
 def manual_step(self, batch):
     """The manual-optimization recipe: Lightning's backward (``self.manual_backward``) as the
     block's; the reduced gradient of a weight read after it."""
@@ -330,7 +342,7 @@ def main():
         *FABRIC_CASES,
     ]
     if world > 1:
-        cases += IN_JOB_CASES
+        cases += [*IN_JOB_CASES, case_lightning_fsdp_refuses_the_cpu]
     # each failure on 2 ranks ends the process group (distgrad's failure protocol), and the
     # ranks start again for the next case (cases.py): on one process every slip runs, on 2
     # ranks one of each kind

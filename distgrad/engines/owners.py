@@ -91,10 +91,13 @@ def library_refusal(what: str, module, library, world: int) -> TraceStateError:
             f"is Lightning's backward."
         )
     backward = "self.manual_backward" if name == "Lightning" else "fabric.backward"
+    apart = (
+        "the ranks would train apart" if world > 1 else "on several ranks they would train apart"
+    )
     return TraceStateError(
         f"{what} on {type(module).__name__}, which runs {where}: a plain backward bypasses "
         f"{name}'s own ({backward}), which reduces the gradients across ranks and scales the "
-        f"loss under mixed precision, so the ranks would train apart. Trace the step with the "
+        f"loss under mixed precision, so {apart}. Trace the step with the "
         f"library's backward: `with model.trace_step(lambda: <forward returning the loss>, "
         f"{backward}) as tr:` and open the block on `tr.loss` (`with tr.loss.backward():`)."
     )

@@ -75,6 +75,18 @@ def job_world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def engine_for_job(current, module: torch.nn.Module):
+    """The ``ModuleInJob`` a trace of the plain ``module`` runs on now: ``current`` while the
+    process group it was made in is still the job's, a new one where a process group of
+    several ranks exists (one made since the last trace, or since wrap), None where none
+    does."""
+    if job_world() == 1:
+        return None
+    if current is not None and current.group is dist.group.WORLD:
+        return current
+    return ModuleInJob(module)
+
+
 class ModuleInJob(DistributedEngine):
     name = "module in a multi-process job"
 

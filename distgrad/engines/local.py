@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .base import Engine
-from .in_job import ModuleInJob, job_world
+from .in_job import ModuleInJob, engine_for_job
 from .owners import (
     called_by_library_backward,
     enclosing_modules,
@@ -41,8 +41,7 @@ class LocalEngine(Engine):
         return self.wrapped(*args, **kwargs)
 
     def begin_trace(self) -> None:
-        if self.in_job is None and job_world() > 1:
-            self.in_job = ModuleInJob(self.wrapped)
+        self.in_job = engine_for_job(self.in_job, self.wrapped)
         if self.in_job is not None:
             self.in_job.begin_trace()
         elif library_imported():

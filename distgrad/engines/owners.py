@@ -28,8 +28,11 @@ def enclosing_modules(module: torch.nn.Module) -> list:
     does not know its parents: every module object of the process is looked at once, a
     fraction of a second, once per engine)."""
     parents: dict[int, list] = {}
+    module_class = torch.nn.Module
     for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module):
+        # by type, not isinstance: isinstance reads __class__, which some objects compute (a
+        # deprecated torch alias warns when touched)
+        if issubclass(type(obj), module_class):
             for child in submodules(obj).values():
                 if child is not None:
                     parents.setdefault(id(child), []).append(obj)

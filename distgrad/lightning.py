@@ -74,8 +74,17 @@ class TraceSteps(pl.Callback):
                 f"its training_step instead: `with model.trace_step(lambda: <forward returning "
                 f"the loss>, self.manual_backward) as tr:`."
             )
-        self.loop = trainer.fit_loop.epoch_loop.automatic_optimization
-        make_closure = self.loop._make_closure  # Lightning's: one closure per training batch
+        loop = getattr(trainer.fit_loop.epoch_loop, "automatic_optimization", None)
+        make_closure = getattr(loop, "_make_closure", None)  # one closure per training batch
+        if make_closure is None:  # (Lightning's own loop: a release may change it)
+            raise RuntimeError(
+                f"TraceSteps runs each training step in a trace by way of Lightning's "
+                f"automatic-optimization loop (its _make_closure), which Lightning "
+                f"{pl.__version__} does not have. It is tested with Lightning 2.6; trace the "
+                f"step under manual optimization instead: `with model.trace_step(lambda: "
+                f"<forward returning the loss>, self.manual_backward) as tr:`."
+            )
+        self.loop = loop
 
         def make_traced_closure(kwargs, optimizer, batch_idx):
             closure = make_closure(kwargs, optimizer, batch_idx)

@@ -100,7 +100,10 @@ CORE_LAYERS = (
     ("engines", lambda m: m.split(".")[0] == "engines"),
     ("the trace", lambda m: m == "trace"),
     ("the package", lambda m: m == "__init__"),
-    ("integrations with training libraries", lambda m: m == "trainer"),
+    (
+        "integrations with training libraries",
+        lambda m: m in {"trainer", "lightning", "step_records"},
+    ),
     ("tools built on traces", lambda m: m.split(".")[0] == "flow"),
 )
 

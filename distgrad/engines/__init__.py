@@ -2,7 +2,8 @@
 where hook values are sharded across ranks); ``select`` picks the one for a wrapped object.
 
 * ``local.py``, ``ddp.py``, ``fsdp1.py``, ``fsdp2.py``, ``deepspeed.py``, ``accelerate.py``,
-  ``tensor_parallel.py``: one engine each;
+  ``fabric.py``, ``tensor_parallel.py``: one engine each; ``in_job.py``: a plain module traced
+  in a job of several processes (``local.py`` hands its traces there);
 * ``ranks/``: what every multi-process engine shares (ranks, failure, the end-of-trace gather);
 * ``pipeline/``: pipeline parallelism (torch's schedules and DeepSpeed's pipeline engine).
 """
@@ -19,6 +20,7 @@ from .accelerate import AccelerateEngine, PreparedWithoutAccelerator
 from .base import Engine
 from .ddp import DDPEngine
 from .deepspeed import DeepSpeedEngineAdapter
+from .fabric import FabricEngine, forward_module, is_fabric_module
 from .fsdp2 import FSDP2Engine, is_fully_sharded
 from .local import LocalEngine
 from .pipeline import DeepSpeedPipeEngine, PipelineEngine
@@ -28,8 +30,9 @@ def select(
     obj, accelerator=None, tp_shards: dict | None = None, full_model=None, *, inner: bool = False
 ) -> Engine:
     """The engine for what the user wrapped: DDP, FSDP1, FSDP2 (``fully_shard``), a model
-    prepared by accelerate (with its ``accelerator``), a model split by ``parallelize_module``
-    (alone or under ``fully_shard``), or a plain module. ``inner``: choosing the engine under
+    prepared by accelerate (with its ``accelerator``), a module from Lightning Fabric's
+    ``setup``, a model split by ``parallelize_module`` (alone or under ``fully_shard``), or a
+    plain module. ``inner``: choosing the engine under
     an accelerate engine."""
     if isinstance(obj, Engine):
         return obj
@@ -43,6 +46,8 @@ def select(
         engine = select(compiled, None, tp_shards, full_model, inner=inner)
         if type(engine) is not LocalEngine:
             return engine
+    if is_fabric_module(obj):  # Lightning Fabric's: the engine of the module it calls
+        return FabricEngine(obj, select(forward_module(obj), accelerator, tp_shards, full_model))
     if accelerator is None and not inner and getattr(obj, "_is_accelerate_prepared", False):
         # prepared by accelerate, wrapped without its accelerator (accelerate.py)
         return PreparedWithoutAccelerator(obj, select(obj, inner=True))
@@ -88,6 +93,7 @@ __all__ = [
     "DDPEngine",
     "FSDP2Engine",
     "AccelerateEngine",
+    "FabricEngine",
     "DeepSpeedEngineAdapter",
     "PipelineEngine",
     "DeepSpeedPipeEngine",

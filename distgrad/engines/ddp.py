@@ -13,6 +13,9 @@
   this rank's own gradients into the averaged ones, reduced by nothing (PyTorch raises no
   error). distgrad raises before the second backward runs, unless the forward ran inside
   ``no_sync()`` (no backward of it reduces: every rank keeps its own sums, as intended).
+* Parameters beside the model (a steering vector, a user's own module applied in the body):
+  averaged after a backward that DDP reduced, kept rank-local under ``no_sync()`` as the
+  model's are (``ranks/beside.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,12 @@ class DDPEngine(DistributedEngine):
 
     def plain_backward(self) -> None:
         self.before_backward()  # (a plain backward reduces, or not, as a block's does)
+
+    def after_backward(self, roots) -> None:
+        # parameters beside the model are reduced where DDP reduced the model's: not inside
+        # no_sync(), where both keep each rank's own sums until the synchronising backward
+        if self.reducing:
+            super().after_backward(roots)
 
     def before_backward(self) -> None:
         """Before a backward block's backward (accelerate's too): raise where DDP would not

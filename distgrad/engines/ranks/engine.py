@@ -39,6 +39,7 @@ from ...torch_internals import default_store
 from ..base import Engine
 from .abandoned import keep_until_exit
 from .agreement import Agreement, asked, where
+from .beside import label, mean_over, params_beside
 from .gather import SavesGather, refuse_model_state
 
 
@@ -102,6 +103,31 @@ class DistributedEngine(Engine):
     @property
     def world_size(self) -> int:
         return self._world
+
+    # -- parameters beside the model (beside.py) -------------------------------------------
+    def after_backward(self, roots) -> None:
+        params = params_beside(roots, self.engine_params())
+        if params:
+            self.reduce_beside(params)
+
+    def engine_params(self) -> set:
+        """The ids of the leaves whose gradients the engine reduces itself: the wrapped
+        model's parameters (an engine adds its internal leaves)."""
+        return {id(p) for p in self.wrapped.parameters()} | {id(p) for p in self.model.parameters()}
+
+    def reduce_beside(self, params: list) -> None:
+        """Average the gradients of ``params`` (parameters beside the model the backward
+        reached) over the data-parallel group; an engine whose values are sharded across ranks
+        raises instead (its ranks hold parts of them, which no mean makes whole)."""
+        if self.views is not None:
+            raise NotImplementedError(
+                f"a trace body brought a parameter beside the model ({label(params[0])}) into "
+                f"the backward under tensor parallelism: each rank's gradient of it is only "
+                f"the part its shards reached, which distgrad cannot make whole. Register it "
+                f"on the model and parallelize it with the plan, or mark it with "
+                f"distgrad.keep_rank_local(param) and reduce its gradient yourself."
+            )
+        mean_over(params, self.group, self.wait_in_slices)
 
     # -- the start and end of every trace -------------------------------------------------
     def begin_trace(self) -> None:

@@ -39,6 +39,7 @@ CASES = [
     "case_keep_rank_local",
     "case_plain_leaf_stays_rank_local",
     "case_tensor_parallel_raises",
+    "case_pipeline_raises",
 ]
 WORLD = 2
 

@@ -17,9 +17,10 @@ import sys
 import torch
 import torch.distributed as dist
 from cases import expect_error, run_cases  # noqa: E402  (tests/dist is the script's folder)
+from torch.nn import MSELoss
 
 import distgrad
-from distgrad.demo.models import build_gpt2, build_llama, parallelize_llama
+from distgrad.demo.models import build_gpt2, build_llama, build_mlp, parallelize_llama, stage_of
 from distgrad.demo.ranks import LAUNCH_DIR, wrap_with_engine
 
 torch.set_num_threads(1)
@@ -255,15 +256,34 @@ def case_tensor_parallel_raises(rank, world, ref):
     expect_error(run, NotImplementedError, "nn.Parameter of shape [64]", heard=False)
 
 
+def case_pipeline_raises(rank, world, ref):
+    """Under a pipeline schedule the vector's gradient would be its stage's rank's alone,
+    summed over the microbatches: a clear error naming the tensor on the rank whose stage
+    used it (rank 0 runs layers[0] and layers[1]), heard by the others."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    net = build_mlp()
+    schedule = Schedule1F1B(stage_of(net, rank, world), n_microbatches=4, loss_fn=MSELoss())
+    model = distgrad.wrap(schedule, full_model=net)
+    steer = torch.nn.Parameter(torch.zeros(8))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+    def run():
+        with model.trace(x, target=y) as tr:
+            model.layers[1].output = model.layers[1].output + steer
+            with tr.loss.backward():
+                pass
+
+    expect_error(run, NotImplementedError, "nn.Parameter of shape [8]")
+    assert steer.grad is None, "the backward ran into the vector before the error"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     distgrad.config.failure_timeout = 10.0
     dist.init_process_group("gloo")
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = oracle(world)
     cases = [
@@ -277,6 +297,7 @@ def main():
         case_keep_rank_local,
         case_plain_leaf_stays_rank_local,
         case_tensor_parallel_raises,
+        case_pipeline_raises,
     ]
     run_cases(cases, args.out, rank, rank, world, ref)
 

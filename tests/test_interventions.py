@@ -38,6 +38,7 @@ CASES = [
     "case_accelerate_accumulation",
     "case_keep_rank_local",
     "case_plain_leaf_stays_rank_local",
+    "case_pipeline_vector_on_the_stage",
     "case_tensor_parallel_raises",
     "case_pipeline_raises",
 ]

@@ -51,9 +51,11 @@ class DDPEngine(DistributedEngine):
         self.before_backward()  # (a plain backward reduces, or not, as a block's does)
 
     def after_backward(self, roots) -> None:
-        # parameters beside the model are reduced where DDP reduced the model's: not inside
-        # no_sync(), where both keep each rank's own sums until the synchronising backward
-        if self.reducing:
+        # parameters beside the model are kept rank-local where DDP keeps the model's: inside
+        # no_sync() (the trace's forward ran in it, or, for a step whose forward is another
+        # library's, it is open now), until the synchronising backward averages the sums. A
+        # mean more is never wrong (it is linear), so anything else reduces.
+        if self.reducing or self.wrapped.require_backward_grad_sync:
             super().after_backward(roots)
 
     def before_backward(self) -> None:

@@ -256,6 +256,42 @@ def case_tensor_parallel_raises(rank, world, ref):
     expect_error(run, NotImplementedError, "nn.Parameter of shape [64]", heard=False)
 
 
+def mlp_with_vector():
+    """The pipeline MLP with a vector registered on layers[1] (the stage's own parameter)."""
+    net = build_mlp()
+    torch.manual_seed(13)
+    net.layers[1].steer = torch.nn.Parameter(torch.randn(8) * 0.1)
+    return net
+
+
+def pipeline_batch():
+    g = torch.Generator().manual_seed(17)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
+def case_pipeline_vector_on_the_stage(rank, world, ref):
+    """The way out the pipeline error names: the vector registered on the stage's module is
+    the stage's own parameter, and its gradient (and the stages') equal one process's."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    net = mlp_with_vector()
+    schedule = Schedule1F1B(stage_of(net, rank, world), n_microbatches=4, loss_fn=MSELoss())
+    model = distgrad.wrap(schedule, full_model=net)
+    x, y = pipeline_batch()
+    with model.trace(x, target=y) as tr:
+        model.layers[1].output = model.layers[1].output + net.layers[1].steer
+        with tr.loss.backward():
+            pass
+    ref_net = mlp_with_vector()
+    ref_net.layers[1].register_forward_hook(lambda m, a, out: out + ref_net.layers[1].steer)
+    MSELoss()(ref_net(x), y).backward()
+    mine_layers = [0, 1] if rank == 0 else [2, 3]
+    for i in mine_layers:
+        for (name, p), q in zip(net.layers[i].named_parameters(), ref_net.layers[i].parameters()):
+            err = rel(p.grad, q.grad)
+            assert err <= REL, f"pipeline: layers[{i}].{name}.grad: rel {err:.2e} > {REL}"
+
+
 def case_pipeline_raises(rank, world, ref):
     """Under a pipeline schedule the vector's gradient would be its stage's rank's alone,
     summed over the microbatches: a clear error naming the tensor on the rank whose stage
@@ -296,6 +332,7 @@ def main():
         case_accelerate_accumulation,
         case_keep_rank_local,
         case_plain_leaf_stays_rank_local,
+        case_pipeline_vector_on_the_stage,
         case_tensor_parallel_raises,
         case_pipeline_raises,
     ]

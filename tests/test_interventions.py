@@ -22,7 +22,7 @@ from conftest import PARAM_ATOL
 
 import distgrad
 from distgrad.demo.models import build_gpt2
-from distgrad.engines.ranks.beside import params_beside
+from distgrad.engines.ranks.beside import OwnedLeaves, params_beside
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from launch import case_report, read_results, run_ranks  # noqa: E402
@@ -36,6 +36,7 @@ CASES = [
     "case_zero2",
     "case_zero3",
     "case_accelerate_accumulation",
+    "case_traced_trainer",
     "case_keep_rank_local",
     "case_plain_leaf_stays_rank_local",
     "case_pipeline_vector_on_the_stage",
@@ -76,9 +77,12 @@ def test_params_beside_finds_the_users_parameters_only():
     embeds = net.transformer.wte(torch.zeros(1, 4, dtype=torch.long)).detach().requires_grad_()
     hidden = net(inputs_embeds=embeds + steer + marked).logits
     loss = low(hidden[..., :64]).sum()
-    found = params_beside([loss], {id(p) for p in net.parameters()})
+    owned = OwnedLeaves(net.parameters)
+    found = params_beside([loss], owned)
     assert {id(p) for p in found} == {id(steer), id(low.weight), id(low.bias)}
-    assert params_beside([loss.detach()], set()) == []
+    assert params_beside([loss.detach()], owned) == []
+    # known by a weak reference, not by id alone: a dead parameter's id reused is not owned
+    assert steer not in owned and all(p in owned for p in net.parameters())
 
 
 def test_keep_rank_local_refuses_what_is_not_a_tensor():

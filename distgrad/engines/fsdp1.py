@@ -62,9 +62,9 @@ class FSDP1Engine(DistributedEngine):
     def param(self, param, path):
         return FullParam(self.wrapped, param, path, self.agree)
 
-    def engine_params(self) -> set:
+    def engine_params(self) -> list:
         # the backward accumulates into the flat parameters the original ones are views of
-        return super().engine_params() | {id(p) for p in fsdp1_flat_params(self.wrapped)}
+        return super().engine_params() + fsdp1_flat_params(self.wrapped)
 
     def refuse_flow(self):
         if not fsdp1_grad_layout(self.wrapped)[0]:

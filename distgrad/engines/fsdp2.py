@@ -22,10 +22,9 @@ class FSDP2Engine(DistributedEngine):
     def param(self, param, path):
         return ShardedParam(param, path, self.agree)
 
-    def engine_params(self) -> set:
+    def engine_params(self) -> list:
         # the backward accumulates into the unsharded parameters FSDP2 swaps in for the forward
-        owned = super().engine_params()
-        return owned | {id(p) for p in fsdp2_unsharded_params(self.wrapped)}
+        return super().engine_params() + fsdp2_unsharded_params(self.wrapped)
 
 
 def is_fully_sharded(obj) -> bool:

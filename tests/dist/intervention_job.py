@@ -190,6 +190,42 @@ def case_accelerate_accumulation(rank, world, ref):
     GradientState._reset_state()
 
 
+def case_traced_trainer(rank, world, ref):
+    """TracedTrainer (Trainer's own step and accelerator.backward, DDP, gradient accumulation
+    2): a vector added in the intervention trains as a plain Trainer's does whose raw hook
+    adds it and whose callback averages its gradient by hand before each optimizer step."""
+    from transformers import Trainer, TrainerCallback
+    from trainer_job import arguments, samples
+
+    from distgrad.trainer import TracedTrainer
+
+    class Average(TrainerCallback):
+        def __init__(self, steer):
+            self.steer = steer
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            dist.all_reduce(self.steer.grad)
+            self.steer.grad /= world
+
+    def add(model, tr):
+        model.transformer.h[0].output = model.transformer.h[0].output + steer
+
+    got, steer = build_gpt2(), interventions()[0]
+    opt = torch.optim.SGD([*got.parameters(), steer], lr=LR)
+    TracedTrainer(model=got, args=arguments(2), train_dataset=samples(world),
+                  optimizers=(opt, None), intervention=add).train()
+    ref_net = build_gpt2()
+    ref_steer = interventions()[0]
+    ref_net.transformer.h[0].register_forward_hook(lambda m, a, out: out + ref_steer)
+    opt = torch.optim.SGD([*ref_net.parameters(), ref_steer], lr=LR)
+    trainer = Trainer(model=ref_net, args=arguments(2), train_dataset=samples(world),
+                      optimizers=(opt, None), callbacks=[Average(ref_steer)])
+    trainer.train()
+    assert rel(ref_steer.detach(), interventions()[0].detach()) > 1e-3, "the vector did not move"
+    check(dict(got.named_parameters()), [steer], (dict(ref_net.named_parameters()), [ref_steer]),
+          "TracedTrainer")
+
+
 def case_keep_rank_local(rank, world, ref):
     """The opt-out: a vector marked keep_rank_local keeps each rank's own gradient (that of
     this rank's rows alone), while the unmarked module beside it is averaged."""
@@ -330,6 +366,7 @@ def main():
         engine_case("zero2"),
         engine_case("zero3"),
         case_accelerate_accumulation,
+        case_traced_trainer,
         case_keep_rank_local,
         case_plain_leaf_stays_rank_local,
         case_pipeline_vector_on_the_stage,

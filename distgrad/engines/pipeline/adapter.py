@@ -78,12 +78,7 @@ class PipelineAdapter(DistributedEngine):
         self.piggyback_buffers: dict = {}
         self.names = {id(m): n for n, m in full_model.named_modules()}
         self.channel = dist.new_group(backend="gloo")  # distgrad's own sends and receives
-        # the leaves the stages' backward accumulates into that the schedule scales and the
-        # optimizer steps: the stages' parameters (copies of the whole model's under the
-        # pipeline() frontend) and the whole model's
-        self.stage_params = self.engine_params() | {
-            id(p) for sub in submods for p in sub.parameters()
-        }
+        self.submods = submods  # (engine_params: the stages' parameters)
 
     # -- what each runtime defines ----------------------------------------------------------
     def microbatches(self) -> int:
@@ -116,7 +111,7 @@ class PipelineAdapter(DistributedEngine):
         the model into it (``ranks/beside.py``). Its gradient would be this stage's rank's
         alone, summed over the microbatches, where the stages' are averaged over them."""
         roots = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-        found = params_beside(roots, self.stage_params)
+        found = params_beside(roots, self.owned)
         if found:
             raise NotImplementedError(
                 f"a trace body brought a parameter beside the model ({label(found[0])}) into "
@@ -127,6 +122,10 @@ class PipelineAdapter(DistributedEngine):
                 f"it as the stage's own), or mark it with distgrad.keep_rank_local(param) and "
                 f"divide and share its gradient yourself."
             )
+
+    def engine_params(self) -> list:
+        # the stages' parameters too: copies of the whole model's under the pipeline() frontend
+        return super().engine_params() + [p for sub in self.submods for p in sub.parameters()]
 
     # -- the whole model's modules on this rank's stages ------------------------------------
     @property

@@ -25,6 +25,8 @@ model's parameters do until the synchronising backward.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -48,11 +50,30 @@ def keep_rank_local(*tensors: torch.Tensor):
     return tensors[0] if len(tensors) == 1 else tensors
 
 
-def params_beside(roots: list, owned: set) -> list:
+class OwnedLeaves:
+    """The leaves an engine reduces itself (``source()`` lists them: the model's parameters and
+    the engine's internal leaves), known by id with a weak reference each: a bare id could be a
+    dead parameter's, reused by a new tensor of the user's. Listing them walks every module,
+    so they are listed again only when a walk meets a parameter not known (a new one, or one
+    beside the model)."""
+
+    def __init__(self, source):
+        self.source = source
+        self.known: dict = {}
+
+    def refresh(self) -> None:
+        self.known = {id(p): weakref.ref(p) for p in self.source()}
+
+    def __contains__(self, leaf) -> bool:
+        ref = self.known.get(id(leaf))
+        return ref is not None and ref() is leaf
+
+
+def params_beside(roots: list, owned: OwnedLeaves) -> list:
     """The parameters reached by the backward graph of the tensors ``roots`` (its
-    ``AccumulateGrad`` leaves) whose ids are not in ``owned`` and that are not kept rank-local,
-    in the order a depth-first walk meets them (the same on every rank for the same graph).
-    The graph's shape outlives its backward, so this runs after it."""
+    ``AccumulateGrad`` leaves) that are not ``owned`` and not kept rank-local, in the order a
+    depth-first walk meets them (the same on every rank for the same graph). The graph's
+    shape outlives its backward, so this runs after it."""
     todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     found, seen = [], set(todo)
     while todo:
@@ -65,10 +86,13 @@ def params_beside(roots: list, owned: set) -> list:
                 todo.append(node)
             elif (
                 isinstance(leaf, torch.nn.Parameter)
-                and id(leaf) not in owned
+                and leaf not in owned
                 and not getattr(leaf, _MARK, False)
             ):
                 found.append(leaf)
+    if found:  # parameters the engine may have made since it last listed its own
+        owned.refresh()
+        found = [leaf for leaf in found if leaf not in owned]
     return found
 
 

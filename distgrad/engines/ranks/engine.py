@@ -39,7 +39,7 @@ from ...torch_internals import default_store
 from ..base import Engine
 from .abandoned import keep_until_exit
 from .agreement import Agreement, asked, where
-from .beside import label, mean_over, params_beside
+from .beside import OwnedLeaves, label, mean_over, params_beside
 from .gather import SavesGather, refuse_model_state
 
 
@@ -79,6 +79,7 @@ class DistributedEngine(Engine):
         # what this rank's failure watcher asks to say where the rank is when a waiting peer
         # asks (``publish_state``): the agreements, and a pipeline step's messages while it runs
         self.answering: list = []
+        self.owned = OwnedLeaves(self.engine_params)  # what is not beside the model
         self.param_agreement = None
         if self.sharded_params and dist.get_backend() == "gloo":
             self.param_agreement = Agreement(self, "params")
@@ -106,14 +107,14 @@ class DistributedEngine(Engine):
 
     # -- parameters beside the model (beside.py) -------------------------------------------
     def after_backward(self, roots) -> None:
-        params = params_beside(roots, self.engine_params())
+        params = params_beside(roots, self.owned)
         if params:
             self.reduce_beside(params)
 
-    def engine_params(self) -> set:
-        """The ids of the leaves whose gradients the engine reduces itself: the wrapped
-        model's parameters (an engine adds its internal leaves)."""
-        return {id(p) for p in self.wrapped.parameters()} | {id(p) for p in self.model.parameters()}
+    def engine_params(self) -> list:
+        """The leaves whose gradients the engine reduces itself: the wrapped model's parameters
+        (an engine adds its internal leaves)."""
+        return [*self.wrapped.parameters(), *self.model.parameters()]
 
     def reduce_beside(self, params: list) -> None:
         """Average the gradients of ``params`` (parameters beside the model the backward

@@ -31,6 +31,7 @@ JOB = str(Path(__file__).parent / "dist" / "intervention_job.py")
 CASES = [
     "case_ddp",
     "case_ddp_plain_backward",
+    "case_ddp_invokes",
     "case_fsdp2",
     "case_fsdp1",
     "case_zero2",
@@ -40,6 +41,7 @@ CASES = [
     "case_keep_rank_local",
     "case_plain_leaf_stays_rank_local",
     "case_pipeline_vector_on_the_stage",
+    "case_backward_after_the_trace_raises",
     "case_tensor_parallel_raises",
     "case_pipeline_raises",
 ]

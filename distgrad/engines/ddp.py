@@ -50,13 +50,12 @@ class DDPEngine(DistributedEngine):
     def plain_backward(self) -> None:
         self.before_backward()  # (a plain backward reduces, or not, as a block's does)
 
-    def after_backward(self, roots) -> None:
+    def reduces_beside(self) -> bool:
         # parameters beside the model are kept rank-local where DDP keeps the model's: inside
         # no_sync() (the trace's forward ran in it, or, for a step whose forward is another
         # library's, it is open now), until the synchronising backward averages the sums. A
         # mean more is never wrong (it is linear), so anything else reduces.
-        if self.reducing or self.wrapped.require_backward_grad_sync:
-            super().after_backward(roots)
+        return self.reducing or self.wrapped.require_backward_grad_sync
 
     def before_backward(self) -> None:
         """Before a backward block's backward (accelerate's too): raise where DDP would not

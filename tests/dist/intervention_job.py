@@ -138,8 +138,15 @@ def train(engine: str, rank: int, world: int, how: str = "block"):
         opt = torch.optim.SGD([*wrapped.parameters(), *beside], lr=LR, foreach=False)
     model = distgrad.wrap(wrapped)
     for ids in batches(world):
-        with model.trace(mine(ids, rank)):
-            body(model, steer, low, how)
+        rows = mine(ids, rank)
+        if how == "invokes":  # a body per row, their blocks' backward one over the batch
+            with model.trace() as tr:
+                for row in (rows[:1], rows[1:]):
+                    with tr.invoke(row):
+                        body(model, steer, low)
+        else:
+            with model.trace(rows):
+                body(model, steer, low, how)
         if engine.startswith("zero"):
             wrapped.step()
         opt.step()
@@ -151,7 +158,7 @@ def engine_case(engine: str, how: str = "block"):
     def case(rank, world, ref):
         check(*train(engine, rank, world, how), ref, engine)
 
-    case.__name__ = f"case_{engine}" + ("" if how == "block" else "_plain_backward")
+    case.__name__ = f"case_{engine}" + {"block": "", "plain": "_plain_backward"}.get(how, f"_{how}")
     return case
 
 
@@ -272,6 +279,25 @@ def case_plain_leaf_stays_rank_local(rank, world, ref):
     assert err <= REL, f"inputs_embeds' gradient is not this rank's own ({err:.2e})"
 
 
+def case_backward_after_the_trace_raises(rank, world, ref):
+    """A body that brings the vector into the forward and runs no backward: a backward after
+    the trace would leave its gradient each rank's own, so the trace raises on every rank,
+    naming it, before any backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = distgrad.wrap(DistributedDataParallel(build_gpt2()))
+    steer = interventions()[0]
+    ids = mine(batches(world, 1)[0], rank)
+
+    def run():
+        with model.trace(ids):
+            model.transformer.h[0].output = model.transformer.h[0].output + steer
+            model.output.logits.sum().save()
+
+    expect_error(run, NotImplementedError, "the body ran no backward", heard=False)
+    assert steer.grad is None
+
+
 def case_tensor_parallel_raises(rank, world, ref):
     """Under tensor parallelism each rank's gradient of a vector beside the model is only
     what its shards reached: a clear error naming the tensor, on every rank."""
@@ -361,6 +387,7 @@ def main():
     cases = [
         engine_case("ddp"),
         engine_case("ddp", "plain"),
+        engine_case("ddp", "invokes"),
         engine_case("fsdp2"),
         engine_case("fsdp1"),
         engine_case("zero2"),
@@ -370,6 +397,7 @@ def main():
         case_keep_rank_local,
         case_plain_leaf_stays_rank_local,
         case_pipeline_vector_on_the_stage,
+        case_backward_after_the_trace_raises,
         case_tensor_parallel_raises,
         case_pipeline_raises,
     ]

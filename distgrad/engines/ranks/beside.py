@@ -30,6 +30,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ...torch_internals import pytree
+
 # the mark keep_rank_local puts on a tensor (an attribute: a WeakSet would compare tensors with
 # ==, and a copy of a marked parameter stays marked)
 _MARK = "_distgrad_rank_local"
@@ -120,3 +122,20 @@ def mean_over(params: list, group, wait) -> None:
             n = grad.numel()
             grad.copy_(flat[offset : offset + n].view_as(grad))
             offset += n
+
+
+def refuse_unreduced(output, owned: OwnedLeaves):
+    """The error for a trace whose forward a parameter beside the model entered (its
+    ``output`` reaches it) and whose body ran no backward, or None: a backward run after the
+    trace would leave that parameter's gradient each rank's own."""
+    roots = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    found = params_beside(roots, owned)
+    if not found:
+        return None
+    return NotImplementedError(
+        f"a trace body brought a parameter beside the model ({label(found[0])}) into the "
+        f"forward, and the body ran no backward: a backward run after the trace would leave its "
+        f"gradient each rank's own (only a backward in the body is followed by its mean over "
+        f"the ranks). Run the backward in the body (`with loss.backward():`, or "
+        f"`loss.backward()` inside the trace), or mark it with distgrad.keep_rank_local(param)."
+    )

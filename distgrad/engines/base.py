@@ -84,13 +84,12 @@ class Engine:
 
     def after_backward(self, roots: list) -> None:
         """The real backward of the tensors ``roots`` has just finished in a trace: a backward
-        block's
-        (once per batch with invokes), a plain ``tensor.backward()`` in a body, or a traced
-        step's (``Model.trace_step``). The core calls it on every rank in the same order, in
-        the body's thread, before the body goes on (so before any optimizer step). A
-        multi-process engine reduces here the gradients of the parameters beside the model
-        that the body brought into the graph (``ranks/beside.py``), or raises where it cannot.
-        Default: nothing (one process: there is nothing to reduce)."""
+        block's (once per batch with invokes, at the end of its run), a plain
+        ``tensor.backward()`` in a body, or a traced step's (``Model.trace_step``). The core
+        calls it on every rank in the same order, before the body goes on (so before any
+        optimizer step). A multi-process engine reduces here the gradients of the parameters
+        beside the model that the body brought into the graph (``ranks/beside.py``), or raises
+        where it cannot. Default: nothing (one process: there is nothing to reduce)."""
 
     def owns(self, module: torch.nn.Module) -> bool:
         """Whether this process runs ``module``. Not called by the core: pipeline engines answer

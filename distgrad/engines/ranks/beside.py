@@ -9,10 +9,14 @@ of the engine's own leaves (FSDP2's unsharded parameters, FSDP1's flat parameter
 leaf tensor with ``requires_grad`` (``inputs_embeds`` a user made) is per-rank data, as the
 batch is, and keeps its own gradient; so does a parameter marked with ``keep_rank_local``.
 
-When: after each real backward of a trace on every rank (``Engine.after_backward``), in the
-same order on every rank, since every rank runs the same body over the same model: the graphs
-are alike, and so are the lists found in them. Their gradients go in one all-reduce per dtype
-(the mean over the data-parallel group, as DDP and FSDP average the model's).
+When: after each real backward of a trace's body on every rank (``Engine.after_backward``),
+in the same order on every rank, since every rank runs the same body over the same model: the
+graphs are alike, and so are the lists found in them. Their gradients go in one all-reduce per
+dtype (the mean over the data-parallel group, as DDP and FSDP average the model's). A backward
+after the trace is PyTorch's alone, with nothing after it: a trace whose forward reached such
+a parameter and whose body ran no backward raises as it ends (``refuse_unreduced``). Under
+tensor parallelism (``engine.py``) and pipeline schedules (``pipeline/adapter.py``) the ranks
+hold parts of the gradient that no mean makes whole: they raise, naming the tensor.
 
 Gradient accumulation: averaging the whole ``.grad`` is right whatever it held before, because
 the mean is linear: a part accumulated earlier and already averaged is the same on every rank

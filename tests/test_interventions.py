@@ -3,12 +3,15 @@ applied in the body): their gradients averaged over the data-parallel ranks as t
 averages the model's.
 
 * On 2 ranks (tests/dist/intervention_job.py, one job for the module): 3 SGD steps under DDP
-  (a backward block, and a plain ``loss.backward()`` in the body), FSDP2, FSDP1, DeepSpeed
-  ZeRO-2 and ZeRO-3, accelerate with gradient_accumulation_steps=2, leave the model's and the
-  interventions' parameters those of one process on the global batch (fp32, rel 1e-5), the
-  same on every rank; inside accelerate's no_sync the vector's gradient stays each rank's own;
-  ``distgrad.keep_rank_local`` keeps a marked vector's gradient this rank's own; a plain leaf
-  (``inputs_embeds``) keeps its own; under tensor parallelism a clear error names the tensor.
+  (a backward block, a plain ``loss.backward()`` in the body, and two invokes), FSDP2, FSDP1,
+  DeepSpeed ZeRO-2 and ZeRO-3, accelerate with gradient_accumulation_steps=2, leave the
+  model's and the interventions' parameters those of one process on the global batch (fp32,
+  rel 1e-5), the same on every rank; inside accelerate's no_sync the vector's gradient stays
+  each rank's own; ``TracedTrainer`` (DDP, accumulation 2) equals a plain ``Trainer`` that
+  averages the vector's gradient by hand; ``distgrad.keep_rank_local`` keeps a marked
+  vector's gradient this rank's own; a plain leaf (``inputs_embeds``) keeps its own; a trace
+  with no backward in its body, tensor parallelism and a pipeline schedule raise naming the
+  tensor, and the pipeline's way out (the vector on the stage's module) equals one process.
 * On one process: which leaves count as beside the model, and nothing changes (no
   collective) for a plain module.
 """

@@ -14,45 +14,17 @@ import argparse
 import os
 import sys
 
+import intervention_layouts as layouts  # (tests/dist is the script's folder)
 import torch
 import torch.distributed as dist
-from cases import expect_error, run_cases  # noqa: E402  (tests/dist is the script's folder)
-from torch.nn import MSELoss
+from cases import run_cases
+from intervention_setup import LR, REL, SCALE, STEPS, batches, interventions, mine, rel
 
 import distgrad
-from distgrad.demo.models import build_gpt2, build_llama, build_mlp, parallelize_llama, stage_of
+from distgrad.demo.models import build_gpt2
 from distgrad.demo.ranks import LAUNCH_DIR, wrap_with_engine
 
 torch.set_num_threads(1)
-SCALE, ROWS, STEPS, LR, REL = 1e-3, 2, 3, 0.1, 1e-5
-D, R = 64, 4  # GPT-2's width, the low-rank intervention's rank
-
-
-class LowRank(torch.nn.Module):
-    """ReFT's LoReFT edit, h + R^T (W h + b - R h): its own module, not the model's."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(7)
-        self.rotate = torch.nn.Parameter(torch.randn(R, D) * 0.1)
-        self.learned = torch.nn.Linear(D, R)
-
-    def forward(self, h):
-        return h + (self.learned(h) - h @ self.rotate.T) @ self.rotate
-
-
-def interventions():
-    torch.manual_seed(11)
-    return torch.nn.Parameter(torch.randn(D) * 0.01), LowRank()
-
-
-def batches(world: int, steps: int = STEPS):
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, 384, (ROWS * world, 8), generator=g) for _ in range(steps)]
-
-
-def mine(ids, rank):
-    return ids[rank * ROWS : (rank + 1) * ROWS]
 
 
 def oracle(world: int, steps: int = STEPS, accumulate: int = 1):
@@ -70,10 +42,6 @@ def oracle(world: int, steps: int = STEPS, accumulate: int = 1):
             opt.step()
             opt.zero_grad()
     return dict(net.named_parameters()), [steer, *low.parameters()]
-
-
-def rel(a, b) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 def check(got_model: dict, got_beside: list, ref, what: str) -> None:
@@ -201,8 +169,8 @@ def case_traced_trainer(rank, world, ref):
     """TracedTrainer (Trainer's own step and accelerator.backward, DDP, gradient accumulation
     2): a vector added in the intervention trains as a plain Trainer's does whose raw hook
     adds it and whose callback averages its gradient by hand before each optimizer step."""
-    from transformers import Trainer, TrainerCallback
     from trainer_job import arguments, samples
+    from transformers import Trainer, TrainerCallback
 
     from distgrad.trainer import TracedTrainer
 
@@ -219,18 +187,32 @@ def case_traced_trainer(rank, world, ref):
 
     got, steer = build_gpt2(), interventions()[0]
     opt = torch.optim.SGD([*got.parameters(), steer], lr=LR)
-    TracedTrainer(model=got, args=arguments(2), train_dataset=samples(world),
-                  optimizers=(opt, None), intervention=add).train()
+    TracedTrainer(
+        model=got,
+        args=arguments(2),
+        train_dataset=samples(world),
+        optimizers=(opt, None),
+        intervention=add,
+    ).train()
     ref_net = build_gpt2()
     ref_steer = interventions()[0]
     ref_net.transformer.h[0].register_forward_hook(lambda m, a, out: out + ref_steer)
     opt = torch.optim.SGD([*ref_net.parameters(), ref_steer], lr=LR)
-    trainer = Trainer(model=ref_net, args=arguments(2), train_dataset=samples(world),
-                      optimizers=(opt, None), callbacks=[Average(ref_steer)])
+    trainer = Trainer(
+        model=ref_net,
+        args=arguments(2),
+        train_dataset=samples(world),
+        optimizers=(opt, None),
+        callbacks=[Average(ref_steer)],
+    )
     trainer.train()
     assert rel(ref_steer.detach(), interventions()[0].detach()) > 1e-3, "the vector did not move"
-    check(dict(got.named_parameters()), [steer], (dict(ref_net.named_parameters()), [ref_steer]),
-          "TracedTrainer")
+    check(
+        dict(got.named_parameters()),
+        [steer],
+        (dict(ref_net.named_parameters()), [ref_steer]),
+        "TracedTrainer",
+    )
 
 
 def case_keep_rank_local(rank, world, ref):
@@ -279,103 +261,6 @@ def case_plain_leaf_stays_rank_local(rank, world, ref):
     assert err <= REL, f"inputs_embeds' gradient is not this rank's own ({err:.2e})"
 
 
-def case_backward_after_the_trace_raises(rank, world, ref):
-    """A body that brings the vector into the forward and runs no backward: a backward after
-    the trace would leave its gradient each rank's own, so the trace raises on every rank,
-    naming it, before any backward."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = distgrad.wrap(DistributedDataParallel(build_gpt2()))
-    steer = interventions()[0]
-    ids = mine(batches(world, 1)[0], rank)
-
-    def run():
-        with model.trace(ids):
-            model.transformer.h[0].output = model.transformer.h[0].output + steer
-            model.output.logits.sum().save()
-
-    expect_error(run, NotImplementedError, "the body ran no backward", heard=False)
-    assert steer.grad is None
-
-
-def case_tensor_parallel_raises(rank, world, ref):
-    """Under tensor parallelism each rank's gradient of a vector beside the model is only
-    what its shards reached: a clear error naming the tensor, on every rank."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    net = parallelize_llama(build_llama(), mesh)
-    model = distgrad.wrap(net)
-    steer = torch.nn.Parameter(torch.zeros(D))
-    ids = batches(world, 1)[0][:ROWS]
-
-    def run():
-        with model.trace(ids):
-            model.model.layers[0].output = model.model.layers[0].output + steer
-            with model.output.logits.sum().backward():
-                pass
-
-    expect_error(run, NotImplementedError, "nn.Parameter of shape [64]", heard=False)
-
-
-def mlp_with_vector():
-    """The pipeline MLP with a vector registered on layers[1] (the stage's own parameter)."""
-    net = build_mlp()
-    torch.manual_seed(13)
-    net.layers[1].steer = torch.nn.Parameter(torch.randn(8) * 0.1)
-    return net
-
-
-def pipeline_batch():
-    g = torch.Generator().manual_seed(17)
-    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
-
-
-def case_pipeline_vector_on_the_stage(rank, world, ref):
-    """The way out the pipeline error names: the vector registered on the stage's module is
-    the stage's own parameter, and its gradient (and the stages') equal one process's."""
-    from torch.distributed.pipelining import Schedule1F1B
-
-    net = mlp_with_vector()
-    schedule = Schedule1F1B(stage_of(net, rank, world), n_microbatches=4, loss_fn=MSELoss())
-    model = distgrad.wrap(schedule, full_model=net)
-    x, y = pipeline_batch()
-    with model.trace(x, target=y) as tr:
-        model.layers[1].output = model.layers[1].output + net.layers[1].steer
-        with tr.loss.backward():
-            pass
-    ref_net = mlp_with_vector()
-    ref_net.layers[1].register_forward_hook(lambda m, a, out: out + ref_net.layers[1].steer)
-    MSELoss()(ref_net(x), y).backward()
-    mine_layers = [0, 1] if rank == 0 else [2, 3]
-    for i in mine_layers:
-        for (name, p), q in zip(net.layers[i].named_parameters(), ref_net.layers[i].parameters()):
-            err = rel(p.grad, q.grad)
-            assert err <= REL, f"pipeline: layers[{i}].{name}.grad: rel {err:.2e} > {REL}"
-
-
-def case_pipeline_raises(rank, world, ref):
-    """Under a pipeline schedule the vector's gradient would be its stage's rank's alone,
-    summed over the microbatches: a clear error naming the tensor on the rank whose stage
-    used it (rank 0 runs layers[0] and layers[1]), heard by the others."""
-    from torch.distributed.pipelining import Schedule1F1B
-
-    net = build_mlp()
-    schedule = Schedule1F1B(stage_of(net, rank, world), n_microbatches=4, loss_fn=MSELoss())
-    model = distgrad.wrap(schedule, full_model=net)
-    steer = torch.nn.Parameter(torch.zeros(8))
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
-
-    def run():
-        with model.trace(x, target=y) as tr:
-            model.layers[1].output = model.layers[1].output + steer
-            with tr.loss.backward():
-                pass
-
-    expect_error(run, NotImplementedError, "nn.Parameter of shape [8]")
-    assert steer.grad is None, "the backward ran into the vector before the error"
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -396,10 +281,10 @@ def main():
         case_traced_trainer,
         case_keep_rank_local,
         case_plain_leaf_stays_rank_local,
-        case_pipeline_vector_on_the_stage,
-        case_backward_after_the_trace_raises,
-        case_tensor_parallel_raises,
-        case_pipeline_raises,
+        layouts.case_pipeline_vector_on_the_stage,
+        layouts.case_backward_after_the_trace_raises,
+        layouts.case_tensor_parallel_raises,
+        layouts.case_pipeline_raises,
     ]
     run_cases(cases, args.out, rank, rank, world, ref)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from . import engines, gradpatch, patches  # noqa: F401 (gradpatch registers .grad with patches)
 from .backward import BackwardTracer
 from .config import config
+from .engines.ranks.beside import keep_rank_local
 from .engines.ranks.ragged import rank_parts
 from .errors import (
     GradientError,
@@ -72,4 +73,5 @@ __all__ = [
     "RankFailedError",
     "config",
     "engines",
+    "keep_rank_local",
 ]

@@ -196,9 +196,12 @@ class BackwardAttribute:
             if _opens_with(sys._getframe(1)):
                 return BackwardTracer(self, real, *args, **kwargs)
             body = current_body()
-            if body is not None:  # a plain call in a body: the run may have to prepare
-                body.requests.plain_backward(body, self)
-            return real(self, *args, **kwargs)
+            if body is None:
+                return real(self, *args, **kwargs)
+            body.requests.plain_backward(body, self)  # the run may have to prepare
+            result = real(self, *args, **kwargs)
+            body.requests.backward_done(body, [self])  # (the engine reduces what it must)
+            return result
 
         backward.__doc__ = real.__doc__
         backward.__wrapped__ = real

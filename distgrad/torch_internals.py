@@ -234,3 +234,29 @@ def fsdp1_grad_layout(root) -> tuple[bool, bool, int]:
     sharded = all(h.uses_sharded_strategy for h in handles)
     group = max((dist.get_world_size(h.process_group) for h in handles), default=1)
     return keeps, sharded, group
+
+
+def fsdp2_unsharded_params(root) -> list:
+    """The unsharded parameters FSDP2 (``fully_shard``) swaps into the modules under ``root``
+    for each forward: the leaves its backward accumulates into, which it reduce-scatters
+    itself. They live on each ``FSDPParam`` (``_unsharded_param``), reached through the module's
+    state (``_get_fsdp_state()._fsdp_param_groups``); nothing public lists them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                found += [
+                    p._unsharded_param for p in group.fsdp_params if hasattr(p, "_unsharded_param")
+                ]
+    return found
+
+
+def fsdp1_flat_params(root) -> list:
+    """FSDP1's flat parameters under ``root``: with ``use_orig_params=True`` the original
+    parameters are views of them, and the backward accumulates into them
+    (``_traversal_utils._get_fsdp_handles``; no public accessor)."""
+    from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
+
+    return [handle.flat_param for handle in _get_fsdp_handles(root)]

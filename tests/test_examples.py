@@ -2,7 +2,9 @@
 its own process, from the repository root. Each script checks its own numbers against plain
 PyTorch with raw hooks and prints its "ok: ..." line only after those checks pass (a mismatch
 exits non-zero with what differed), so a test here passes only where the script's check ran
-and held. The accelerate loop also runs on 2 ranks (DDP over gloo, tests/dist/launch.py).
+and held. The accelerate loop also runs on 2 ranks (DDP over gloo, tests/dist/launch.py), and
+so do the interventions trained beside the model (steering_vector.py under DDP, reft.py under
+FSDP2).
 
 All the runs start together, once per module (most of each one's time is importing
 transformers, on one thread), and each test reads its own run's outcome (so selecting one
@@ -24,6 +26,8 @@ from launch import run_ranks  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 ACCELERATE_LOOP = ROOT / "examples" / "accelerate_loop.py"
+# interventions trained beside the model: DDP (steering_vector.py) and FSDP2 (reft.py)
+BESIDE = [ROOT / "examples" / "steering_vector.py", ROOT / "examples" / "reft.py"]
 
 
 def ok_lines(output: str) -> list[str]:
@@ -37,6 +41,7 @@ def outcomes():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ranks = ThreadPoolExecutor(1)
     two_ranks = ranks.submit(run_ranks, [str(ACCELERATE_LOOP)], 2)
+    beside = {path.name: ranks.submit(run_ranks, [str(path)], 2) for path in BESIDE}
     running = {
         path.name: subprocess.Popen(
             [sys.executable, str(path)],
@@ -59,6 +64,8 @@ def outcomes():
             err += "\n[test] killed: still running after 300 s"
         done[name] = (proc.returncode, out, err)
     done["2 ranks"] = two_ranks.result()
+    for name, future in beside.items():
+        done[f"{name} on 2 ranks"] = future.result()
     ranks.shutdown()
     return done
 
@@ -73,6 +80,15 @@ def test_example_runs_and_its_check_passes(outcomes, script):
 
 def test_accelerate_loop_on_two_ranks(outcomes):
     procs = outcomes["2 ranks"]
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+    said = ok_lines(procs[0].stdout)
+    assert len(said) == 1 and "on 2 process" in said[0], procs[0].stdout[-3000:]
+
+
+@pytest.mark.parametrize("script", BESIDE, ids=[path.stem for path in BESIDE])
+def test_intervention_example_on_two_ranks(outcomes, script):
+    procs = outcomes[f"{script.name} on 2 ranks"]
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
     said = ok_lines(procs[0].stdout)

@@ -60,6 +60,9 @@ class AccelerateEngine(Engine):
     def plain_backward(self) -> None:
         self.inner.plain_backward()
 
+    def after_backward(self, roots) -> None:
+        self.inner.after_backward(roots)
+
     def unwrap(self, module):
         return self.inner.unwrap(module)
 

@@ -82,6 +82,15 @@ class Engine:
         body, outside ``backward``: an engine that counts the backwards over one forward hears
         of it (DDP, ddp.py). The core calls it from the body's requests. Default: nothing."""
 
+    def after_backward(self, roots: list) -> None:
+        """The real backward of the tensors ``roots`` has just finished in a trace: a backward
+        block's (once per batch with invokes, at the end of its run), a plain
+        ``tensor.backward()`` in a body, or a traced step's (``Model.trace_step``). The core
+        calls it on every rank in the same order, before the body goes on (so before any
+        optimizer step). A multi-process engine reduces here the gradients of the parameters
+        beside the model that the body brought into the graph (``ranks/beside.py``), or raises
+        where it cannot. Default: nothing (one process: there is nothing to reduce)."""
+
     def owns(self, module: torch.nn.Module) -> bool:
         """Whether this process runs ``module``. Not called by the core: pipeline engines answer
         it per stage (their requests ask it), and engines that wrap another pass it on.

@@ -13,6 +13,9 @@
   this rank's own gradients into the averaged ones, reduced by nothing (PyTorch raises no
   error). distgrad raises before the second backward runs, unless the forward ran inside
   ``no_sync()`` (no backward of it reduces: every rank keeps its own sums, as intended).
+* Parameters beside the model (a steering vector, a user's own module applied in the body):
+  averaged after a backward that DDP reduced, kept rank-local under ``no_sync()`` as the
+  model's are (``ranks/beside.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ class DDPEngine(DistributedEngine):
 
     def plain_backward(self) -> None:
         self.before_backward()  # (a plain backward reduces, or not, as a block's does)
+
+    def reduces_beside(self) -> bool:
+        # parameters beside the model are kept rank-local where DDP keeps the model's: inside
+        # no_sync() (the trace's forward ran in it, or, for a step whose forward is another
+        # library's, it is open now), until the synchronising backward averages the sums. A
+        # mean more is never wrong (it is linear), so anything else reduces.
+        return self.reducing or self.wrapped.require_backward_grad_sync
 
     def before_backward(self) -> None:
         """Before a backward block's backward (accelerate's too): raise where DDP would not

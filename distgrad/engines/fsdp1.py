@@ -25,7 +25,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from ..torch_internals import fsdp1_grad_layout, fsdp1_unsharded_grads, submodules
+from ..torch_internals import (
+    fsdp1_flat_params,
+    fsdp1_grad_layout,
+    fsdp1_unsharded_grads,
+    submodules,
+)
 from .ranks import DistributedEngine
 
 _WRAPPER_CHILDREN = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -56,6 +61,10 @@ class FSDP1Engine(DistributedEngine):
 
     def param(self, param, path):
         return FullParam(self.wrapped, param, path, self.agree)
+
+    def engine_params(self) -> list:
+        # the backward accumulates into the flat parameters the original ones are views of
+        return super().engine_params() + fsdp1_flat_params(self.wrapped)
 
     def refuse_flow(self):
         if not fsdp1_grad_layout(self.wrapped)[0]:

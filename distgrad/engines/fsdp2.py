@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from ..torch_internals import fsdp2_unsharded_params
 from .ranks import DistributedEngine
 
 
@@ -20,6 +21,10 @@ class FSDP2Engine(DistributedEngine):
 
     def param(self, param, path):
         return ShardedParam(param, path, self.agree)
+
+    def engine_params(self) -> list:
+        # the backward accumulates into the unsharded parameters FSDP2 swaps in for the forward
+        return super().engine_params() + fsdp2_unsharded_params(self.wrapped)
 
 
 def is_fully_sharded(obj) -> bool:

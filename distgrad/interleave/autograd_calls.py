@@ -83,7 +83,9 @@ def _backward(*args, **kwargs):
                 "from, so PyTorch would leave their .grad None. Call h.retain_grad() before "
                 "loss.backward() (without inputs=), or take torch.autograd.grad(loss, h)."
             )
-    return real(*args, **kwargs)
+    result = real(*args, **kwargs)
+    body.requests.backward_done(body, _listed(bound.arguments.get("tensors")))
+    return result
 
 
 def _grad(*args, **kwargs):

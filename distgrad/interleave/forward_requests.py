@@ -200,6 +200,9 @@ class ForwardRequests(Requests):
     def plain_backward(self, body, tensor) -> None:
         self.engine.plain_backward()  # (DDP counts the backwards over one forward)
 
+    def backward_done(self, body, roots: list) -> None:
+        self.engine.after_backward(roots)
+
     def open_backward(self, body, block) -> None:
         if block.backend is None:
             block.backend = self.engine
@@ -220,6 +223,8 @@ class ForwardRequests(Requests):
 
     def close_backward(self, body, block, error) -> None:
         close_session(block.session, error)
+        if error is None:  # the backward has run to its end
+            self.engine.after_backward([block.tensor])
 
 
 def plain_path(envoy) -> str:

@@ -266,12 +266,16 @@ class Invokes(ForwardRequests):
             # given `gradient=g`, (tensor * g).sum(), whose backward hands each tensor exactly
             # g, as autograd.backward([tensor], [g]) would.
             if len(blocks) == 1:
-                return first.backend.backward(
-                    first.tensor, first.fn, first.args, {**first.kwargs, **kwargs}
-                )
-            given = [b.args[0] if b.args else b.kwargs.get("gradient") for b in blocks]
-            parts = [b.tensor if g is None else (b.tensor * g).sum() for b, g in zip(blocks, given)]
-            return first.backend.backward(sum(parts[1:]) + parts[0], first.fn, (), kwargs)
+                root, args, kwargs_ = first.tensor, first.args, {**first.kwargs, **kwargs}
+            else:
+                given = [b.args[0] if b.args else b.kwargs.get("gradient") for b in blocks]
+                parts = [
+                    b.tensor if g is None else (b.tensor * g).sum() for b, g in zip(blocks, given)
+                ]
+                root, args, kwargs_ = sum(parts[1:]) + parts[0], (), kwargs
+            result = first.backend.backward(root, first.fn, args, kwargs_)
+            self.engine.after_backward([root])
+            return result
 
         fill_retained_grads(self.slices, self.hooked)  # (slices a round added, too)
         self.round = blocks

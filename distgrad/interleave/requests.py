@@ -46,6 +46,8 @@ class Requests:
     * ``plain_backward(body, tensor)``: ``tensor.backward()`` is called in the body as a
       plain call, not a block; it runs right after this returns (PyTorch's own backward).
       ``torch.autograd.backward`` and ``torch.autograd.grad`` in an invoke body call it too.
+    * ``backward_done(body, roots)``: that plain backward of the tensors ``roots`` (a list)
+      has finished; the engine hears of it (``Engine.after_backward``).
     * ``grad_inputs(body, inputs)``: ``torch.autograd.grad(..., inputs)`` in the body: the
       tensors to differentiate instead, and for each result the rows that are the body's
       (``(inputs, None)``: differentiate ``inputs`` themselves).
@@ -85,6 +87,9 @@ class Requests:
         return None
 
     def plain_backward(self, body, tensor) -> None:
+        return None
+
+    def backward_done(self, body, roots: list) -> None:
         return None
 
     def grad_inputs(self, body, inputs: list) -> tuple[list, list | None]:

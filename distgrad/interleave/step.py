@@ -90,6 +90,7 @@ class StepRequests(ForwardRequests):
         if not self.backward_ran:  # the body opened no block: the step's backward, plainly
             self.backward_ran = True
             self.step_backward(loss)
+            self.engine.after_backward([loss])
 
     def close(self) -> None:
         super().close()

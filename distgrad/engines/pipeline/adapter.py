@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...torch_internals import pytree
 from ..ranks import DistributedEngine
+from ..ranks.beside import label, params_beside
 from .placement import Placement
 
 
@@ -76,6 +78,7 @@ class PipelineAdapter(DistributedEngine):
         self.piggyback_buffers: dict = {}
         self.names = {id(m): n for n, m in full_model.named_modules()}
         self.channel = dist.new_group(backend="gloo")  # distgrad's own sends and receives
+        self.submods = submods  # (engine_params: the stages' parameters)
 
     # -- what each runtime defines ----------------------------------------------------------
     def microbatches(self) -> int:
@@ -102,6 +105,27 @@ class PipelineAdapter(DistributedEngine):
         """Make the schedule's messages on the links ``placement`` names carry ``messages``'s
         bundles (``Messages.outgoing``, ``Messages.incoming``). Returns the undo, or None where
         no link piggybacks (the default: none does)."""
+
+    def refuse_beside(self, output, stage: int) -> None:
+        """After a forward action of ``stage``: raise where the body brought a parameter beside
+        the model into it (``ranks/beside.py``). Its gradient would be this stage's rank's
+        alone, summed over the microbatches, where the stages' are averaged over them."""
+        roots = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        found = params_beside(roots, self.owned)
+        if found:
+            raise NotImplementedError(
+                f"a trace body brought a parameter beside the model ({label(found[0])}) into "
+                f"stage {stage}'s forward under a pipeline schedule: its gradient would be "
+                f"this rank's alone, summed over the microbatches (the schedule scales only "
+                f"the stages' own gradients), and distgrad does not combine it across stages. "
+                f"Register it on a module of the stage that uses it (the schedule then treats "
+                f"it as the stage's own), or mark it with distgrad.keep_rank_local(param) and "
+                f"divide and share its gradient yourself."
+            )
+
+    def engine_params(self) -> list:
+        # the stages' parameters too: copies of the whole model's under the pipeline() frontend
+        return super().engine_params() + [p for sub in self.submods for p in sub.parameters()]
 
     # -- the whole model's modules on this rank's stages ------------------------------------
     @property

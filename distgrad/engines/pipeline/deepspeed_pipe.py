@@ -128,6 +128,9 @@ class DeepSpeedPipeEngine(PipelineAdapter):
                 count[phase] += 1
                 with on_action(phase, stage, microbatch):
                     real(engine, *args, **kwargs)
+                    if phase == "F":  # (its outputs, kept for the backward, by buffer id)
+                        buffer = kwargs.get("buffer_id", args[0] if args else None)
+                        self.refuse_beside(engine.pipe_buffers["outputs"][buffer], stage)
                 if phase == "F" and engine.is_last_stage():
                     on_loss(microbatch, engine.loss)
 

@@ -107,7 +107,10 @@ class PipelineEngine(PipelineAdapter):
         def wrapped(phase, index, real):
             def run(chunk_id, *args, **kwargs):
                 with on_action(phase, index, chunk_id):
-                    return real(chunk_id, *args, **kwargs)
+                    output = real(chunk_id, *args, **kwargs)
+                    if phase == "F":
+                        self.refuse_beside(output, index)
+                    return output
 
             return run
 

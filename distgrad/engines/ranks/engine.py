@@ -39,6 +39,7 @@ from ...torch_internals import default_store
 from ..base import Engine
 from .abandoned import keep_until_exit
 from .agreement import Agreement, asked, where
+from .beside import OwnedLeaves, label, mean_over, params_beside, refuse_unreduced
 from .gather import SavesGather, refuse_model_state
 
 
@@ -78,6 +79,9 @@ class DistributedEngine(Engine):
         # what this rank's failure watcher asks to say where the rank is when a waiting peer
         # asks (``publish_state``): the agreements, and a pipeline step's messages while it runs
         self.answering: list = []
+        self.owned = OwnedLeaves(self.engine_params)  # what is not beside the model
+        self.forward_output = None  # the trace's forward's output, while no backward ran
+        self.backward_ran = False
         self.param_agreement = None
         if self.sharded_params and dist.get_backend() == "gloo":
             self.param_agreement = Agreement(self, "params")
@@ -93,7 +97,13 @@ class DistributedEngine(Engine):
         return self.wrapped
 
     def forward(self, args, kwargs):
-        return self.wrapped(*args, **kwargs)
+        self.backward_ran = False
+        output = self.wrapped(*args, **kwargs)
+        # kept until a backward runs in the trace, or the trace ends (see _end_trace); a body's
+        # plain backward may have run already, before the forward returned
+        ran = self.backward_ran or not torch.is_grad_enabled()
+        self.forward_output = None if ran else output
+        return output
 
     @property
     def rank(self) -> int:
@@ -102,6 +112,38 @@ class DistributedEngine(Engine):
     @property
     def world_size(self) -> int:
         return self._world
+
+    # -- parameters beside the model (beside.py) -------------------------------------------
+    def after_backward(self, roots) -> None:
+        self.forward_output, self.backward_ran = None, True  # a backward ran in the trace
+        if self.reduces_beside():
+            params = params_beside(roots, self.owned)
+            if params:
+                self.reduce_beside(params)
+
+    def reduces_beside(self) -> bool:
+        """Whether the backward that just ran reduces parameters beside the model (DDP: not
+        inside ``no_sync()``). Default True: a mean more is never wrong (it is linear)."""
+        return True
+
+    def engine_params(self) -> list:
+        """The leaves whose gradients the engine reduces itself: the wrapped model's parameters
+        (an engine adds its internal leaves)."""
+        return [*self.wrapped.parameters(), *self.model.parameters()]
+
+    def reduce_beside(self, params: list) -> None:
+        """Average the gradients of ``params`` (parameters beside the model the backward
+        reached) over the data-parallel group; an engine whose values are sharded across ranks
+        raises instead (its ranks hold parts of them, which no mean makes whole)."""
+        if self.views is not None:
+            raise NotImplementedError(
+                f"a trace body brought a parameter beside the model ({label(params[0])}) into "
+                f"the backward under tensor parallelism: each rank's gradient of it is only "
+                f"the part its shards reached, which distgrad cannot make whole. Register it "
+                f"on the model and parallelize it with the plan, or mark it with "
+                f"distgrad.keep_rank_local(param) and reduce its gradient yourself."
+            )
+        mean_over(params, self.group, self.wait_in_slices)
 
     # -- the start and end of every trace -------------------------------------------------
     def begin_trace(self) -> None:
@@ -158,12 +200,17 @@ class DistributedEngine(Engine):
 
     def _end_trace(self, saves: list, error: BaseException | None):
         self._traces += 1
+        output, self.forward_output = self.forward_output, None
         for agreement in self.agreements:
             agreement.clear()
         if self.views is not None:
             self.views.clear()
         if error is not None:
             return self._fail(error)
+        refused = refuse_unreduced(output, self.owned) if output is not None else None
+        if refused is not None:  # every rank alike: the ranks run the same body
+            self._fail(refused)
+            return refused
         if self.saves_gather is None:
             return None
         refused = refuse_model_state(saves, self.model) if saves else None

@@ -6,10 +6,9 @@ Each test makes its own model (prepare marks it) and resets accelerate's process
 before and after, so that no other test in the worker sees an Accelerator.
 """
 
+import accelerate  # noqa: F401 (a test dependency: missing, it fails here, not skips)
 import pytest
 import torch
-
-pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from conftest import PARAM_ATOL  # noqa: E402

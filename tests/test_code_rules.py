@@ -227,3 +227,18 @@ def test_tensor_parallel_views_implement_what_is_declared():
     assert issubclass(TensorParallelViews, ShardViews)
     missing = [name for name in declared if name not in vars(TensorParallelViews)]
     assert not missing, f"TensorParallelViews does not implement {missing}"
+
+
+def test_an_engine_around_another_passes_on_all_it_declares():
+    """accelerate's and Fabric's engines run around the engine of what they wrap: every member
+    ``Engine`` declares must reach that inner engine (a method left to ``Engine``'s default
+    would do nothing under that library, as the reduction of parameters beside the model once
+    did under Fabric)."""
+    from distgrad.engines.around import EngineAround
+    from distgrad.engines.base import Engine
+
+    declared = {name for name in vars(Engine) if not name.startswith("_")}
+    # what the library itself decides, not the inner engine: its name, its own backward
+    own = {"name", "own_backward"}
+    missing = sorted(name for name in declared - own if name not in vars(EngineAround))
+    assert not missing, f"EngineAround leaves these to Engine's defaults: {missing}"

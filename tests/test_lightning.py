@@ -38,6 +38,7 @@ EVERYWHERE = [
     "case_lightning_manual",
     "case_lightning_manual_backward_in_body_runs",
     "case_fabric_loop",
+    "case_fabric_steering_vector",
     "case_fabric_block_raises",
     "case_lightning_manual_block_raises",
     "case_lightning_manual_plain_backward_raises",

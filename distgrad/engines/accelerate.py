@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import os
 
+from .around import EngineAround
 from .base import Engine
 from .ddp import DDPEngine
 
 
-class AccelerateEngine(Engine):
+class AccelerateEngine(EngineAround):
     name = "accelerate"
 
     def __init__(self, wrapped, accelerator, inner: Engine):
-        super().__init__(wrapped)
+        super().__init__(wrapped, inner)
         from accelerate.utils import DistributedType
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -44,51 +45,9 @@ class AccelerateEngine(Engine):
                 "Accelerator(cpu=True) under torchrun, or use `accelerate launch --multi_gpu`."
             )
         self.accelerator = accelerator
-        self.inner = inner
 
-    # everything but the backward is the prepared model's own engine
-    model = property(lambda self: self.inner.model)
-    root = property(lambda self: self.inner.root)
-    rank = property(lambda self: self.inner.rank)
-    world_size = property(lambda self: self.inner.world_size)
-    views = property(lambda self: self.inner.views)
+    # everything but the backward is the prepared model's own engine (EngineAround)
     own_backward = True  # accelerator.backward: its scaler, gradient accumulation
-
-    def forward(self, args, kwargs):
-        return self.inner.forward(args, kwargs)
-
-    def plain_backward(self) -> None:
-        self.inner.plain_backward()
-
-    def after_backward(self, roots) -> None:
-        self.inner.after_backward(roots)
-
-    def unwrap(self, module):
-        return self.inner.unwrap(module)
-
-    def param(self, param, path):
-        return self.inner.param(param, path)
-
-    def owns(self, module):
-        return self.inner.owns(module)
-
-    def module_here(self, module):
-        return self.inner.module_here(module)
-
-    def output_holders(self, module):
-        return self.inner.output_holders(module)
-
-    def refuse_flow(self):
-        self.inner.refuse_flow()
-
-    def grad_pieces(self, module):
-        return self.inner.grad_pieces(module)
-
-    def begin_trace(self):
-        self.inner.begin_trace()
-
-    def end_trace(self, saves, error):
-        return self.inner.end_trace(saves, error)
 
     def backward(self, tensor, fn, args, kwargs):
         if isinstance(self.inner, DDPEngine):  # several blocks over one forward: ddp.py

@@ -59,10 +59,12 @@ class Engine:
         built and when a trace first arms a hook point. Default: ``model``."""
         return self.model
 
-    def forward(self, args: tuple, kwargs: dict):
+    def forward(self, args: tuple, kwargs: dict, call=None):
         """Run the wrapped object's forward on the trace's inputs. The core calls it as the
-        forward session's run, once per trace (once per batch with invokes). Every engine
-        defines it."""
+        forward session's run, once per trace (once per batch with invokes). ``call``: what to
+        call in place of the wrapped object, given by an engine around this one whose library
+        is entered through its own wrapper (Fabric's module, ``around.py``), so that this
+        engine's bookkeeping of the forward still runs. Every engine defines it."""
         raise NotImplementedError
 
     def generate(self, args: tuple, kwargs: dict):

@@ -37,11 +37,11 @@ class DDPEngine(DistributedEngine):
     def model(self) -> torch.nn.Module:
         return self.wrapped.module
 
-    def forward(self, args, kwargs):
+    def forward(self, args, kwargs, call=None):
         # DDP prepares its reducer exactly when grad mode is on and no_sync() is not
         self.reducing = torch.is_grad_enabled() and self.wrapped.require_backward_grad_sync
         self.backwards = 0
-        return super().forward(args, kwargs)
+        return super().forward(args, kwargs, call)
 
     def backward(self, tensor, fn, args, kwargs):
         self.before_backward()

@@ -15,28 +15,22 @@
 from __future__ import annotations
 
 from ..torch_internals import submodules
-from .base import Engine
+from .around import EngineAround
 from .owners import called_by_library_backward, library_refusal
 
 
-class FabricEngine(Engine):
+class FabricEngine(EngineAround):
     name = "fabric"
 
-    def __init__(self, wrapped, inner: Engine):
-        super().__init__(wrapped)
-        self.inner = inner
-
-    # everything but the forward's entry and the backward is the engine of what Fabric calls
-    model = property(lambda self: self.inner.model)
+    # everything but the forward's entry, model.output and the backward is the engine of what
+    # Fabric calls (EngineAround)
     root = property(lambda self: self.wrapped)
-    rank = property(lambda self: self.inner.rank)
-    world_size = property(lambda self: self.inner.world_size)
-    views = property(lambda self: self.inner.views)
     own_backward = True  # fabric.backward: its precision's loss scaling
 
-    def forward(self, args, kwargs):
-        # the Fabric module, not the inner engine's forward: Fabric converts inputs and outputs
-        return self.wrapped(*args, **kwargs)
+    def forward(self, args, kwargs, call=None):
+        # through the Fabric module, which converts inputs and outputs; the inner engine's
+        # bookkeeping of the forward runs around it
+        return self.inner.forward(args, kwargs, self.wrapped)
 
     def backward(self, tensor, fn, args, kwargs):
         what = "a `with loss.backward():` block"
@@ -47,33 +41,6 @@ class FabricEngine(Engine):
             what = "a plain `.backward()` in the trace's body"
             raise library_refusal(what, self.model, self.wrapped, self.world_size)
         self.inner.plain_backward()
-
-    def unwrap(self, module):
-        return self.inner.unwrap(module)
-
-    def param(self, param, path):
-        return self.inner.param(param, path)
-
-    def owns(self, module):
-        return self.inner.owns(module)
-
-    def module_here(self, module):
-        return self.inner.module_here(module)
-
-    def output_holders(self, module):
-        return self.inner.output_holders(module)
-
-    def refuse_flow(self):
-        self.inner.refuse_flow()
-
-    def grad_pieces(self, module):
-        return self.inner.grad_pieces(module)
-
-    def begin_trace(self):
-        self.inner.begin_trace()
-
-    def end_trace(self, saves, error):
-        return self.inner.end_trace(saves, error)
 
 
 def is_fabric_module(obj) -> bool:

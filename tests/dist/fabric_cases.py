@@ -10,7 +10,7 @@ import torch
 import distgrad
 from cases import expect_error
 from distgrad.trace import engine_of
-from lightning_job import LR, STEPS, build_net, check_run, rows
+from lightning_job import LR, STEPS, build_net, check_run, rel_close, rows
 
 
 def fabric_for(world: int):
@@ -73,5 +73,47 @@ def case_fabric_plain_backward_raises(world, rank):
     expect_error(slip, distgrad.TraceStateError, "fabric.backward")
 
 
-FABRIC_CASES = [case_fabric_loop]
+def case_fabric_steering_vector(world, rank):
+    """A steering vector beside the model, trained with it through ``fabric.backward``: its
+    gradient averaged over the ranks (beside.py) through Fabric's engine around DDP's, so that
+    after the steps it equals one process's on the global batch, as the model does."""
+    fabric, net, model, opt, traced = set_up(world)
+    vector = torch.nn.Parameter(torch.zeros(net.config.n_embd))
+    vector_opt = torch.optim.SGD([vector], lr=LR)
+    for step in range(STEPS):
+        ids = rows(world, rank, step)
+        opt.zero_grad()
+        vector_opt.zero_grad()
+        with traced.trace_step(
+            lambda: model(input_ids=ids, labels=ids).loss, fabric.backward
+        ) as tr:
+            block = traced.transformer.h[0]
+            block.output = block.output + vector
+            with tr.loss.backward():
+                pass
+        opt.step()
+        vector_opt.step()
+    # one process, plain autograd, the global batch: each rank's mean loss averaged, as DDP's
+    # mean of the ranks' gradients is
+    ref = build_net()
+    ref_vector = torch.nn.Parameter(torch.zeros(ref.config.n_embd))
+    ref_opt = torch.optim.SGD([*ref.parameters(), ref_vector], lr=LR)
+    handle = ref.transformer.h[0].register_forward_hook(
+        lambda m, a, out: out + ref_vector
+    )
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        losses = [
+            ref(input_ids=rows(world, r, step), labels=rows(world, r, step)).loss
+            for r in range(world)
+        ]
+        (sum(losses) / world).backward()
+        ref_opt.step()
+    handle.remove()
+    rel_close(vector.detach(), ref_vector.detach(), "the vector after the steps")
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        rel_close(p.detach(), q.detach(), name)
+
+
+FABRIC_CASES = [case_fabric_loop, case_fabric_steering_vector]
 FABRIC_FAILURES = [case_fabric_block_raises, case_fabric_plain_backward_raises]

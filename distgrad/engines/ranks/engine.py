@@ -96,9 +96,9 @@ class DistributedEngine(Engine):
     def root(self) -> torch.nn.Module:
         return self.wrapped
 
-    def forward(self, args, kwargs):
+    def forward(self, args, kwargs, call=None):
         self.backward_ran = False
-        output = self.wrapped(*args, **kwargs)
+        output = (call or self.wrapped)(*args, **kwargs)
         # kept until a backward runs in the trace, or the trace ends (see _end_trace); a body's
         # plain backward may have run already, before the forward returned
         ran = self.backward_ran or not torch.is_grad_enabled()

@@ -28,6 +28,7 @@ import warnings
 
 import lightning.pytorch as L
 import torch
+from trainer_step import SIZES  # the Trainer benchmark's sizes: the two pages' rows compare
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import distgrad
@@ -36,10 +37,6 @@ from distgrad.lightning import TraceSteps
 warnings.filterwarnings("ignore", module="lightning")
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 logging.getLogger("transformers").setLevel(logging.ERROR)
-SIZES = {
-    "toy": (dict(n_layer=2, n_embd=64, n_head=2, vocab_size=384), 2, 8),
-    "user": (dict(n_layer=6, n_embd=512, n_head=8, vocab_size=8192), 4, 128),
-}
 
 
 def build(size: str):
